@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: ctest (unit, model, server and, where a GPU exists, gpu labels).
+# Exits non-zero on any failure. The last line is ctest's summary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${DSV4_BUILD_DIR:-build}
+if [[ ! -f "$build_dir/CTestTestfile.cmake" ]]; then
+  echo "test: no build in $build_dir; run ./scripts/setup.sh first" >&2
+  exit 2
+fi
+cmake --build "$build_dir" -j "$(nproc)" || exit 1
+cd "$build_dir" && ctest --output-on-failure -j "$(nproc)" "$@"
