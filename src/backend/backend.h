@@ -1,0 +1,168 @@
+// The backend op set: everything the DeepSeek V4 forward pass computes, as operations on tensors that live in
+// the backend's memory (host memory for the CPU backend, device memory for CUDA). model/forward.cpp is written
+// once against this interface; every backend implements every op, and tests/backend_ops checks each op of each
+// backend against the CPU reference.
+//
+// Conventions:
+//   - Activations are F32, row-major, contiguous: a tensor [rows, cols] has ne[0] = cols (ggml order).
+//   - Weights keep the type of the model file; a matrix W [out, in] has ne[0] = in, ne[1] = out, and is applied
+//     as y = W·x to each activation row. Routed experts are [in, out, n_expert] (expert e is one matrix).
+//   - Ops are asynchronous on a backend with a device: they are ordered, and results reach the host only through
+//     read(). Shapes are checked by the caller (model/forward); ops assert them only in debug builds.
+#pragma once
+
+#include "format/types.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dsv4 {
+
+struct Tensor {
+    GgmlType type = GgmlType::F32;
+    int64_t ne[4] = {1, 1, 1, 1};  // ggml order: ne[0] is contiguous
+    void * data = nullptr;         // backend address; owned by a BackendBuffer or a mapped file
+
+    int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
+    int64_t rows() const { return ne[1] * ne[2] * ne[3]; }
+    size_t row_bytes() const { return dsv4::row_bytes(type, ne[0]); }
+    size_t n_bytes() const { return row_bytes() * size_t(rows()); }
+    explicit operator bool() const { return data != nullptr; }
+    float * f32() const { return static_cast<float *>(data); }
+    int32_t * i32() const { return static_cast<int32_t *>(data); }
+};
+
+Tensor make_tensor(GgmlType type, void * data, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1);
+// Rows [first, first + count) of a tensor viewed as a matrix of rows() rows (same row width).
+Tensor row_view(const Tensor & t, int64_t first, int64_t count);
+// The same memory with another shape (same type and element count).
+Tensor reshape(const Tensor & t, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1);
+
+// Memory owned by a backend; freed with it.
+class BackendBuffer {
+  public:
+    virtual ~BackendBuffer() = default;
+    virtual void * data() = 0;
+    virtual size_t size() const = 0;
+};
+
+// Rotary embedding of the trailing n_rot channels of each head: pairs (2i, 2i+1) of that slice turn by
+// angle pos·inv_freq[i]. inv_freq is an F32 tensor [n_rot/2] in backend memory.
+struct RopeSpec {
+    Tensor inv_freq;  // F32 [n_rot / 2]
+    int n_rot = 0;
+};
+
+// Where the compressed rows that a query attends to come from (attention and the indexer).
+struct CompressedRows {
+    Tensor rows;              // F32 [capacity, width]: row b pools tokens [bR, bR + R); null when the layer has none
+    int64_t ratio = 0;        // R
+    Tensor selected;          // I32 [n_tokens, top_k]: rows chosen by the indexer (-1 = none); null means "all
+                              // rows visible to the query", i.e. b < floor((pos + 1) / R)
+};
+
+class Backend {
+  public:
+    virtual ~Backend() = default;
+    virtual std::string name() const = 0;
+
+    // ---- memory ----------------------------------------------------------------------------------------------
+    virtual std::unique_ptr<BackendBuffer> alloc(size_t bytes) = 0;
+    // A weight tensor whose bytes are in host memory: the CPU backend uses them in place (zero copy); a device
+    // backend copies them into `storage`, which it allocates (caller keeps it alive).
+    virtual Tensor upload_weight(const Tensor & host, std::unique_ptr<BackendBuffer> * storage) = 0;
+    virtual void write(const Tensor & dst, const void * host, size_t bytes, size_t offset = 0) = 0;
+    virtual void read(const Tensor & src, void * host, size_t bytes, size_t offset = 0) = 0;
+    virtual void copy(const Tensor & dst, const Tensor & src, size_t bytes, size_t dst_offset = 0,
+                      size_t src_offset = 0) = 0;
+    virtual void fill(const Tensor & dst, float value) = 0;  // F32 tensors
+    virtual void synchronize() = 0;
+
+    // ---- dense ops -------------------------------------------------------------------------------------------
+    // out[t] = table[ids[t]] as F32. table [width, n_rows] of any weight type; ids I32 [n]; out F32 [n, width].
+    virtual void get_rows(const Tensor & table, const Tensor & ids, const Tensor & out) = 0;
+    // y [n, out] = x [n, in] · W^T for W [in, out] of any weight type.
+    virtual void matmul(const Tensor & w, const Tensor & x, const Tensor & y) = 0;
+    // Grouped low-rank projection: x [n, G·in_g], W [in_g, G·out_g]; group g maps x columns [g·in_g, (g+1)·in_g)
+    // through W rows [g·out_g, (g+1)·out_g) into y columns [g·out_g, (g+1)·out_g). y [n, G·out_g].
+    virtual void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) = 0;
+    // y = x / sqrt(mean(x^2) + eps) (· gamma when given), per row of width ne[0]. In place is allowed.
+    virtual void rms_norm(const Tensor & x, const Tensor & gamma, const Tensor & y, float eps) = 0;
+    // In place on x [n, heads, width]: rotates the last spec.n_rot channels of every head of row t by position
+    // pos0 + t·pos_stride (inverse: by the negative angle).
+    virtual void rope(const Tensor & x, const RopeSpec & spec, int64_t pos0, int64_t pos_stride, bool inverse) = 0;
+    virtual void add(const Tensor & a, const Tensor & b, const Tensor & out) = 0;  // element-wise; out may alias
+    // out = silu(min(gate, limit)) · clamp(up, -limit, limit), element-wise [n, width]. limit <= 0: no clamp.
+    virtual void swiglu(const Tensor & gate, const Tensor & up, const Tensor & out, float limit) = 0;
+
+    // ---- numerics of DeepSeek's official inference code (the "official" mode) --------------------------------
+    // In place, per row of x [n, width]: FP8 E4M3 round trip of channels [0, n_dims) in blocks of 64 with a
+    // power-of-two (UE8M0) scale per block.
+    virtual void fp8_roundtrip(const Tensor & x, int64_t n_dims) = 0;
+    // In place, per row of x [n, width] (width a power of two): Walsh-Hadamard rotation scaled by 1/sqrt(width),
+    // then an FP4 E2M1 round trip in blocks of 32.
+    virtual void hadamard_fp4_roundtrip(const Tensor & x) = 0;
+
+    // ---- hyper-connections -----------------------------------------------------------------------------------
+    // streams [n, hc, D]: every stream of token t starts as x[t] (x [n, D]).
+    virtual void hc_expand(const Tensor & x, const Tensor & streams) = 0;
+    // streams [n, hc, D]; fn [hc·D, (2+hc)·hc] (any weight type); scale F32 [3]; base F32 [(2+hc)·hc].
+    // Outputs: y [n, D] = Σ_h pre_h·stream_h; post [n, hc]; comb [n, hc, hc] (source, destination), Sinkhorn-
+    // normalised with `iters` iterations.
+    virtual void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
+                        int iters, float eps_hc, float eps_norm, const Tensor & y, const Tensor & post,
+                        const Tensor & comb) = 0;
+    // out[t, j] = post[t, j]·o[t] + Σ_i comb[t, i, j]·streams[t, i]. out [n, hc, D] must not alias streams.
+    virtual void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
+                         const Tensor & out) = 0;
+    // Final collapse: z [n, D] = Σ_h (σ(scale·μ_h + base_h) + eps_hc)·stream_h with μ = fn · rms0(streams).
+    // fn [hc·D, hc]; scale F32 [1]; base F32 [hc].
+    virtual void hc_head(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
+                         float eps_hc, float eps_norm, const Tensor & z) = 0;
+
+    // ---- attention -------------------------------------------------------------------------------------------
+    // Adds ape[(pos0 + t) mod R] to score row t, appends the chunk's rows to the compressor state and pools every
+    // block of R tokens that completes inside the chunk into out [m, width], m = floor((pos0+n)/R) - floor(pos0/R).
+    //   kv, score: F32 [n, c·width] (c = 2 with overlap, else 1); ape [c·width, R] (any float type)
+    //   state_kv, state_score: F32 [c·R, c·width]. Without overlap, row j holds token j of the open block. With
+    //   overlap, rows [0, R) hold the previous complete block and rows [R, 2R) the open one; a block's row pools
+    //   the first half (channels [0, width)) of the previous block's tokens and the second half of its own.
+    //   Unwritten state is (value 0, score -inf).
+    virtual void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape,
+                                   const Tensor & state_kv, const Tensor & state_score, int64_t pos0, int64_t ratio,
+                                   bool overlap, const Tensor & out) = 0;
+    // Lightning indexer: for query t at position pos0 + t, score_b = Σ_h w[t,h]·relu(q[t,h]·keys[b])·key_scale over
+    // the visible rows b < floor((pos + 1) / R); writes the top_k best row ids (ascending), -1 padded, to
+    // selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I].
+    virtual void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, int64_t pos0, int64_t ratio,
+                                float key_scale, const Tensor & selected) = 0;
+    // Sink attention of queries q [n, H, d] (positions pos0 + t) over the raw window (positions (pos - window,
+    // pos], stored at slot pos mod ring in raw [ring, d]) and the compressed rows; K = V; one softmax per head
+    // with the sink logit sinks[h] in the denominator only. out [n, H, d].
+    virtual void attention(const Tensor & q, const Tensor & raw, int64_t pos0, int64_t window,
+                           const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) = 0;
+
+    // ---- mixture of experts ----------------------------------------------------------------------------------
+    // Router: p = sqrt(softplus(logits [n, E])). Hash layers (tid2eid I32 [k, V] given) take experts
+    // tid2eid[tokens[t]]; others take the top k of p + bias (bias F32 [E]). Weights are the unbiased p of the
+    // chosen experts, renormalised to sum 1 and multiplied by route_scale. experts I32 [n, k], weights F32 [n, k].
+    virtual void router(const Tensor & logits, const Tensor & bias, const Tensor & tid2eid, const Tensor & tokens,
+                        float route_scale, const Tensor & experts, const Tensor & weights) = 0;
+    // Routed experts: out[t] = Σ_j weights[t,j] · down_e(swiglu(gate_e·x[t], up_e·x[t], limit)), e = experts[t,j].
+    // x [n, D]; gate/up [D, I, E]; down [I, D, E]; out [n, D].
+    virtual void moe(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate,
+                     const Tensor & up, const Tensor & down, float limit, const Tensor & out) = 0;
+};
+
+struct CpuBackendOptions {
+    int n_threads = 0;  // 0: all hardware threads
+    // Quantized weights: multiply with 8-bit quantized activations (fast, ds4's CPU numerics) or with f32
+    // activations (exact up to float reassociation).
+    bool quantize_activations = true;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions & options = {});
+
+}  // namespace dsv4

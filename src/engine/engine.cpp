@@ -1,0 +1,181 @@
+// The engine: implements include/dsv4/engine.h on top of the model layer. One Engine owns the mapped model
+// file, the backend and the weights; sessions own their KV state.
+#include "dsv4/engine.h"
+
+#include "backend/backend.h"
+#include "engine/build_info.h"
+#include "format/gguf.h"
+#include "model/forward.h"
+#include "util/error.h"
+#include "util/log.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+namespace dsv4 {
+
+namespace {
+
+class SessionImpl;
+
+class EngineImpl final : public Engine {
+  public:
+    explicit EngineImpl(const EngineOptions & options, const std::function<void(double)> & progress) {
+        Numerics numerics;
+        DSV4_CHECK(parse_numerics(options.numerics, &numerics), "unknown numerics '{}' (official or reference)",
+                   options.numerics);
+        file_ = std::make_unique<GgufFile>(GgufFile::open(options.model_path));
+        if (!options.mtp_path.empty()) mtp_file_ = std::make_unique<GgufFile>(GgufFile::open(options.mtp_path));
+        if (options.backend == "cpu" || options.backend == "auto") {
+            CpuBackendOptions cpu;
+            cpu.n_threads = options.n_threads;
+            cpu.quantize_activations = options.quantize_activations;
+            backend_ = make_cpu_backend(cpu);
+        } else {
+            fail("backend '{}' is not available in this build (cpu{})", options.backend, build_backends());
+        }
+        if (progress) progress(0.0);
+        model_ = std::make_unique<Model>(*file_, *backend_, options.n_ubatch, numerics, mtp_file_.get());
+        if (progress) progress(1.0);
+
+        const ModelConfig & c = model_->config();
+        info_.name = c.name;
+        info_.path = options.model_path;
+        info_.backend = backend_->name();
+        info_.numerics = numerics_name(numerics);
+        info_.n_vocab = c.n_vocab;
+        info_.n_layer = c.n_layer;
+        info_.n_embd = c.n_embd;
+        info_.n_ctx_train = c.n_ctx_train;
+        info_.has_mtp = model_->weights().mtp.has_value();
+        for (const GgufTensorInfo & t : file_->tensors()) info_.weight_bytes += t.n_bytes;
+    }
+
+    const ModelInfo & info() const override { return info_; }
+    const Tokenizer * tokenizer() const override { return nullptr; }
+    std::unique_ptr<Session> new_session(int64_t n_ctx) override;
+
+    Model & model() { return *model_; }
+    // The model's scratch is shared: one evaluation at a time across sessions.
+    std::mutex & eval_mutex() { return eval_mutex_; }
+
+  private:
+    std::unique_ptr<GgufFile> file_;
+    std::unique_ptr<GgufFile> mtp_file_;
+    std::unique_ptr<Backend> backend_;
+    std::unique_ptr<Model> model_;
+    ModelInfo info_;
+    std::mutex eval_mutex_;
+};
+
+class SessionImpl final : public Session {
+  public:
+    SessionImpl(EngineImpl & engine, int64_t n_ctx) : engine_(engine), state_(engine.model().new_state(n_ctx)) {}
+
+    int64_t n_ctx() const override { return state_->n_ctx(); }
+    int64_t n_past() const override { return state_->n_past(); }
+    const std::vector<int32_t> & tokens() const override { return tokens_; }
+    std::span<const float> logits() const override { return logits_; }
+
+    bool eval(std::span<const int32_t> tokens, bool all_logits, const ProgressFn & progress) override {
+        if (tokens.empty()) return true;
+        const int64_t n_vocab = engine_.model().config().n_vocab;
+        logits_.resize(size_t((all_logits ? int64_t(tokens.size()) : 1) * n_vocab));
+        const int64_t before = state_->n_past();
+        std::lock_guard<std::mutex> lock(engine_.eval_mutex());
+        bool done = false;
+        try {
+            done = engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last,
+                                        logits_.data(), [&](int64_t n) {
+                                            return !progress || progress(n, int64_t(tokens.size()));
+                                        });
+        } catch (...) {
+            // A failed evaluation leaves the state at an unknown point inside the chunk: start over.
+            clear();
+            throw;
+        }
+        tokens_.insert(tokens_.end(), tokens.begin(), tokens.begin() + (state_->n_past() - before));
+        if (!done) logits_.clear();
+        return done;
+    }
+
+    int64_t sync(std::span<const int32_t> target, const ProgressFn & progress) override {
+        const size_t common =
+            size_t(std::mismatch(tokens_.begin(), tokens_.end(), target.begin(), target.end()).first - tokens_.begin());
+        // The compressed state cannot be rolled back, so only an extension of what the state holds is reused.
+        if (common > 0 && common == tokens_.size() && !logits_.empty()) {
+            if (common < target.size()) eval(target.subspan(common), false, progress);
+            return int64_t(common);
+        }
+        clear();
+        eval(target, false, progress);
+        return 0;
+    }
+
+    void clear() override {
+        state_->clear();
+        tokens_.clear();
+        logits_.clear();
+    }
+
+    std::string snapshot() const override {
+        std::string state = state_->snapshot();
+        std::string out;
+        const uint64_t n_tokens = tokens_.size(), n_logits = logits_.size();
+        out.append(reinterpret_cast<const char *>(&n_tokens), 8);
+        out.append(reinterpret_cast<const char *>(tokens_.data()), tokens_.size() * sizeof(int32_t));
+        out.append(reinterpret_cast<const char *>(&n_logits), 8);
+        out.append(reinterpret_cast<const char *>(logits_.data()), logits_.size() * sizeof(float));
+        out += state;
+        return out;
+    }
+
+    void restore(std::string_view bytes) override {
+        clear();
+        auto take = [&](void * dst, size_t n) {
+            DSV4_CHECK(bytes.size() >= n, "session snapshot truncated");
+            std::memcpy(dst, bytes.data(), n);
+            bytes.remove_prefix(n);
+        };
+        uint64_t n_tokens = 0, n_logits = 0;
+        take(&n_tokens, 8);
+        DSV4_CHECK(n_tokens <= uint64_t(state_->n_ctx()), "session snapshot holds {} tokens, context is {}", n_tokens,
+                   state_->n_ctx());
+        std::vector<int32_t> tokens(static_cast<size_t>(n_tokens));
+        take(tokens.data(), tokens.size() * sizeof(int32_t));
+        take(&n_logits, 8);
+        DSV4_CHECK(n_logits == 0 || n_logits == uint64_t(engine_.model().config().n_vocab),
+                   "session snapshot has {} logits, the vocabulary is {}", n_logits,
+                   engine_.model().config().n_vocab);
+        std::vector<float> logits(static_cast<size_t>(n_logits));
+        take(logits.data(), logits.size() * sizeof(float));
+        state_->restore(bytes);
+        DSV4_CHECK(uint64_t(state_->n_past()) == n_tokens, "session snapshot: {} tokens but a state of {}", n_tokens,
+                   state_->n_past());
+        tokens_ = std::move(tokens);
+        logits_ = std::move(logits);
+    }
+
+  private:
+    EngineImpl & engine_;
+    std::unique_ptr<KvState> state_;
+    std::vector<int32_t> tokens_;
+    std::vector<float> logits_;
+};
+
+std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) {
+    return std::make_unique<SessionImpl>(*this, n_ctx);
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> Engine::open(const EngineOptions & options, const std::function<void(double)> & progress) {
+    return std::make_unique<EngineImpl>(options, progress);
+}
+
+std::string version_string() {
+    return fmt::format("dsv4 {} ({}), backends: {}", build_version(), build_commit(), build_backends());
+}
+
+}  // namespace dsv4

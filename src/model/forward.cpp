@@ -1,0 +1,335 @@
+#include "model/forward.h"
+
+#include "util/error.h"
+
+#include <cmath>
+
+namespace dsv4 {
+
+const char * numerics_name(Numerics n) { return n == Numerics::reference ? "reference" : "official"; }
+
+bool parse_numerics(std::string_view name, Numerics * out) {
+    if (name == "reference") *out = Numerics::reference;
+    else if (name == "official") *out = Numerics::official;
+    else return false;
+    return true;
+}
+
+// Scratch activations for one chunk of up to n_ubatch tokens (n below). Every op writes a full tensor, so
+// nothing here needs clearing between chunks.
+struct Model::Workspace {
+    std::vector<std::unique_ptr<BackendBuffer>> buffers;
+
+    Tensor tokens;     // I32 [n]
+    Tensor streams;    // F32 [n, hc, D]: the hyper-connection state
+    Tensor streams2;   // F32 [n, hc, D]: HCPost output, swapped with streams
+    Tensor x;          // F32 [n, D]: sublayer input (HCPre output)
+    Tensor xn;         // F32 [n, D]: normed sublayer input
+    Tensor out;        // F32 [n, D]: sublayer output
+    Tensor post;       // F32 [n, hc]
+    Tensor comb;       // F32 [n, hc, hc]
+    Tensor cq;         // F32 [n, q_lora]: normed low-rank query (the indexer reuses it)
+    Tensor q;          // F32 [n, H, d]
+    Tensor kv;         // F32 [n, d]
+    Tensor attn;       // F32 [n, H, d]: attention output
+    Tensor o_low;      // F32 [n, G·o_lora]
+    Tensor comp_kv;    // F32 [n, 2d]: compressor projections
+    Tensor comp_score; // F32 [n, 2d]
+    Tensor comp_rows;  // F32 [n, d]: rows emitted by this chunk (at most n / R + 1 <= n)
+    Tensor idx_q;      // F32 [n, H_I, d_I]
+    Tensor idx_w;      // F32 [n, H_I]
+    Tensor idx_kv;     // F32 [n, 2·d_I]
+    Tensor idx_score;  // F32 [n, 2·d_I]
+    Tensor idx_rows;   // F32 [n, d_I]
+    Tensor selected;   // I32 [n, top_k]
+    Tensor router;     // F32 [n, E]: router logits
+    Tensor experts;    // I32 [n, k]
+    Tensor weights;    // F32 [n, k]
+    Tensor sh_gate;    // F32 [n, I]
+    Tensor sh_up;      // F32 [n, I]
+    Tensor routed;     // F32 [n, D]
+    Tensor logits;     // F32 [n, V]
+
+    // A tensor [ne0, ne1, ne2, n_rows]; the token axis is always the outermost (ne[3]).
+    Tensor make(Backend & b, GgmlType type, int64_t n_rows, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1) {
+        const size_t bytes = std::max<size_t>(row_bytes(type, ne0) * size_t(ne1 * ne2 * n_rows), 4);
+        buffers.push_back(b.alloc(bytes));
+        return make_tensor(type, buffers.back()->data(), ne0, ne1, ne2, n_rows);
+    }
+};
+
+namespace {
+
+// The first n tokens of a scratch tensor sized for n_ubatch tokens.
+Tensor first(const Tensor & t, int64_t n) {
+    Tensor v = t;
+    v.ne[3] = n;
+    return v;
+}
+
+}  // namespace
+
+Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics,
+             const GgufFile * mtp_file)
+    : config_(load_config(file)), backend_(backend), n_ubatch_(n_ubatch), numerics_(numerics) {
+    DSV4_CHECK(n_ubatch >= 1, "batch size must be at least 1 (got {})", n_ubatch);
+    weights_ = load_weights(file, config_, backend, mtp_file);
+    const ModelConfig & c = config_;
+
+    ws_ = std::make_unique<Workspace>();
+    Workspace & w = *ws_;
+    for (LayerKind kind : {LayerKind::sliding, LayerKind::csa, LayerKind::hca}) {
+        std::vector<float> f = rope_inv_freq(c, kind);
+        RopeSpec & r = rope_[int(kind)];
+        r.n_rot = int(c.n_rot);
+        r.inv_freq = w.make(backend, GgmlType::F32, 1, int64_t(f.size()));
+        backend.write(r.inv_freq, f.data(), f.size() * sizeof(float));
+    }
+    const int64_t n = n_ubatch, D = c.n_embd, d = c.head_dim;
+    w.tokens = w.make(backend, GgmlType::I32, n, 1);
+    w.streams = w.make(backend, GgmlType::F32, n, D, c.hc);
+    w.streams2 = w.make(backend, GgmlType::F32, n, D, c.hc);
+    w.x = w.make(backend, GgmlType::F32, n, D);
+    w.xn = w.make(backend, GgmlType::F32, n, D);
+    w.out = w.make(backend, GgmlType::F32, n, D);
+    w.post = w.make(backend, GgmlType::F32, n, c.hc);
+    w.comb = w.make(backend, GgmlType::F32, n, c.hc, c.hc);
+    w.cq = w.make(backend, GgmlType::F32, n, c.q_lora_rank);
+    w.q = w.make(backend, GgmlType::F32, n, d, c.n_head);
+    w.kv = w.make(backend, GgmlType::F32, n, d);
+    w.attn = w.make(backend, GgmlType::F32, n, d, c.n_head);
+    w.o_low = w.make(backend, GgmlType::F32, n, c.o_groups * c.o_lora_rank);
+    w.comp_kv = w.make(backend, GgmlType::F32, n, 2 * d);
+    w.comp_score = w.make(backend, GgmlType::F32, n, 2 * d);
+    w.comp_rows = w.make(backend, GgmlType::F32, n, d);
+    if (c.indexer_dim > 0) {
+        w.idx_q = w.make(backend, GgmlType::F32, n, c.indexer_dim, c.indexer_heads);
+        w.idx_w = w.make(backend, GgmlType::F32, n, c.indexer_heads);
+        w.idx_kv = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
+        w.idx_score = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
+        w.idx_rows = w.make(backend, GgmlType::F32, n, c.indexer_dim);
+        w.selected = w.make(backend, GgmlType::I32, n, std::max<int64_t>(c.indexer_top_k, 1));
+    }
+    w.router = w.make(backend, GgmlType::F32, n, c.n_expert);
+    w.experts = w.make(backend, GgmlType::I32, n, c.n_expert_used);
+    w.weights = w.make(backend, GgmlType::F32, n, c.n_expert_used);
+    w.sh_gate = w.make(backend, GgmlType::F32, n, c.expert_ff);
+    w.sh_up = w.make(backend, GgmlType::F32, n, c.expert_ff);
+    w.routed = w.make(backend, GgmlType::F32, n, D);
+    w.logits = w.make(backend, GgmlType::F32, n, c.n_vocab);
+}
+
+Model::~Model() = default;
+
+std::unique_ptr<KvState> Model::new_state(int64_t n_ctx) const {
+    return std::make_unique<KvState>(config_, backend_, n_ctx, n_ubatch_, weights_.mtp.has_value());
+}
+
+bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
+                 const std::function<bool(int64_t)> & progress) {
+    const int64_t n_total = int64_t(tokens.size());
+    DSV4_CHECK(state.n_past() + n_total <= state.n_ctx(), "{} tokens after {} exceed the context of {}", n_total,
+               state.n_past(), state.n_ctx());
+    for (int32_t t : tokens)
+        DSV4_CHECK(t >= 0 && t < config_.n_vocab, "token id {} outside the vocabulary [0, {})", t, config_.n_vocab);
+    for (int64_t done = 0; done < n_total;) {
+        const int64_t n = std::min(n_ubatch_, n_total - done);
+        const bool last_chunk = done + n == n_total;
+        const LogitsMode chunk_mode = mode == LogitsMode::all ? LogitsMode::all
+                                      : last_chunk             ? mode
+                                                               : LogitsMode::none;
+        float * chunk_logits = mode == LogitsMode::all ? logits + done * config_.n_vocab : logits;
+        eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits);
+        done += n;
+        if (progress && !progress(done) && !last_chunk) return false;
+    }
+    return true;
+}
+
+void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits) {
+    const ModelConfig & c = config_;
+    const ModelWeights & W = weights_;
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    const int64_t pos0 = state.n_past();
+
+    Tensor tok = first(w.tokens, n);
+    b.write(tok, tokens, size_t(n) * sizeof(int32_t));
+    Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
+    Tensor x = first(w.x, n), xn = first(w.xn, n), out = first(w.out, n);
+    Tensor post = first(w.post, n), comb = first(w.comb, n);
+
+    b.get_rows(W.token_embd, tok, x);
+    trace("embed", -1, x);
+    b.hc_expand(x, streams);
+    for (int64_t il = 0; il < c.n_layer; ++il) {
+        const LayerWeights & L = W.layers[size_t(il)];
+        // Attention sublayer: HCPre mixes the streams into one input; HCPost writes the output back into all
+        // streams (there is no other residual path).
+        b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x,
+                 post, comb);
+        b.rms_norm(x, L.attn_norm, xn, c.norm_eps);
+        trace("attn_in", il, xn);
+        attention(il, state, pos0, n);
+        trace("attn_out", il, out);
+        b.hc_post(streams, out, post, comb, streams2);
+        std::swap(streams, streams2);
+
+        b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
+                 comb);
+        b.rms_norm(x, L.ffn_norm, xn, c.norm_eps);
+        trace("mlp_in", il, xn);
+        ffn(il, n);
+        trace("mlp_out", il, out);
+        b.hc_post(streams, out, post, comb, streams2);
+        std::swap(streams, streams2);
+        trace("out", il, streams);
+    }
+    state.set_n_past(pos0 + n);
+    if (mode == LogitsMode::none) return;
+
+    // Only the rows whose logits are wanted go through the head (the LM head is the largest matrix).
+    const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
+    const int64_t rows = n - first_row;
+    Tensor s = make_tensor(GgmlType::F32, streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
+    Tensor z = first(w.x, rows);
+    b.hc_head(s, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, c.hc_eps, c.norm_eps, z);
+    trace("hc_head_out", -1, z);
+    b.rms_norm(z, W.output_norm, z, c.norm_eps);
+    trace("final_norm_out", -1, z);
+    Tensor lg = first(w.logits, rows);
+    b.matmul(W.output, z, lg);
+    b.read(lg, logits, size_t(rows * c.n_vocab) * sizeof(float));
+}
+
+void Model::attention(int64_t il, KvState & state, int64_t pos0, int64_t n) {
+    const ModelConfig & c = config_;
+    const LayerConfig & lc = c.layers[size_t(il)];
+    const LayerWeights & L = weights_.layers[size_t(il)];
+    LayerState & S = state.layer(il);
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    const RopeSpec & rope = rope_[int(lc.kind)];
+    const bool official = numerics_ == Numerics::official;
+    const int64_t d = c.head_dim;
+    Tensor xn = first(w.xn, n);
+
+    // Query: low rank, normed (kept: the indexer reuses it), expanded to H heads, each head RMS-normed, rotated.
+    Tensor cq = first(w.cq, n);
+    b.matmul(L.q_a, xn, cq);
+    b.rms_norm(cq, L.q_a_norm, cq, c.norm_eps);
+    Tensor q = first(w.q, n);
+    b.matmul(L.q_b, cq, reshape(q, c.q_dim(), n));
+    b.rms_norm(q, Tensor{}, q, c.norm_eps);
+    b.rope(q, rope, pos0, 1, false);
+
+    // The one K=V row per token, rotated like the queries, written into the raw ring before attending so that
+    // a token sees itself and the earlier tokens of its chunk.
+    Tensor kv = first(w.kv, n);
+    b.matmul(L.kv, xn, kv);
+    b.rms_norm(kv, L.kv_norm, kv, c.norm_eps);
+    b.rope(reshape(kv, d, 1, n), rope, pos0, 1, false);
+    if (official) b.fp8_roundtrip(kv, d - c.n_rot);
+    const int64_t ring = state.ring();
+    for (int64_t t = 0; t < n;) {
+        const int64_t slot = (pos0 + t) % ring;
+        const int64_t run = std::min(n - t, ring - slot);
+        b.copy(S.raw, kv, size_t(run * d) * sizeof(float), size_t(slot * d) * sizeof(float),
+               size_t(t * d) * sizeof(float));
+        t += run;
+    }
+
+    CompressedRows comp;
+    if (lc.kind != LayerKind::sliding) {
+        const int64_t R = lc.compress_ratio;
+        const bool overlap = lc.kind == LayerKind::csa;
+        const int64_t width = (overlap ? 2 : 1) * d;
+        const int64_t b0 = pos0 / R;
+        const int64_t m = (pos0 + n) / R - b0;  // rows completed by this chunk
+        Tensor ckv = make_tensor(GgmlType::F32, w.comp_kv.data, width, n);
+        Tensor cscore = make_tensor(GgmlType::F32, w.comp_score.data, width, n);
+        b.matmul(L.comp_kv, xn, ckv);
+        b.matmul(L.comp_gate, xn, cscore);
+        Tensor rows = first(w.comp_rows, m);
+        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos0, R, overlap, rows);
+        if (m > 0) {
+            // A compressed row is normed and rotated at its block's first position b·R.
+            b.rms_norm(rows, L.comp_norm, rows, c.norm_eps);
+            b.rope(reshape(rows, d, 1, m), rope, b0 * R, R, false);
+            if (official) b.fp8_roundtrip(rows, d - c.n_rot);
+            b.copy(S.comp, rows, size_t(m * d) * sizeof(float), size_t(b0 * d) * sizeof(float));
+            trace("compressed_kv", il, rows);
+        }
+        comp.rows = S.comp;
+        comp.ratio = R;
+
+        if (lc.kind == LayerKind::csa) {
+            const int64_t dI = c.indexer_dim, HI = c.indexer_heads;
+            Tensor ikv = first(w.idx_kv, n), iscore = first(w.idx_score, n);
+            b.matmul(L.idx_comp_kv, xn, ikv);
+            b.matmul(L.idx_comp_gate, xn, iscore);
+            Tensor irows = first(w.idx_rows, m);
+            b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos0, R, true, irows);
+            if (m > 0) {
+                b.rms_norm(irows, L.idx_comp_norm, irows, c.norm_eps);
+                b.rope(reshape(irows, dI, 1, m), rope, b0 * R, R, false);
+                if (official) b.hadamard_fp4_roundtrip(irows);
+                b.copy(S.idx_keys, irows, size_t(m * dI) * sizeof(float), size_t(b0 * dI) * sizeof(float));
+                trace("indexer_kv", il, irows);
+            }
+            // Indexer queries come from the normed low-rank query, unnormalised, rotated at the token position.
+            Tensor iq = first(w.idx_q, n);
+            b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
+            b.rope(iq, rope, pos0, 1, false);
+            if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
+            Tensor iw = first(w.idx_w, n);
+            b.matmul(L.idx_proj, xn, iw);
+            if (c.indexer_top_k == 0) {
+                comp.rows = Tensor{};  // no compressed row is ever selected
+            } else {
+                Tensor sel = first(w.selected, n);
+                // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
+                b.indexer_select(iq, iw, S.idx_keys, pos0, R, 1.0f / std::sqrt(float(dI) * float(HI)), sel);
+                comp.selected = sel;
+                trace("indexer_topk", il, sel);
+            }
+        }
+    }
+
+    Tensor attn = first(w.attn, n);
+    b.attention(q, S.raw, pos0, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn);
+    // Values carry the rotation of their own positions; turning the output back by the query's angle leaves
+    // relative phase only.
+    b.rope(attn, rope, pos0, 1, true);
+    Tensor o_low = first(w.o_low, n);
+    b.matmul_grouped(L.o_a, reshape(attn, c.q_dim(), n), o_low, c.o_groups);
+    b.matmul(L.o_b, o_low, first(w.out, n));
+}
+
+void Model::ffn(int64_t il, int64_t n) {
+    const ModelConfig & c = config_;
+    const LayerConfig & lc = c.layers[size_t(il)];
+    const LayerWeights & L = weights_.layers[size_t(il)];
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    Tensor xn = first(w.xn, n);
+
+    Tensor router = first(w.router, n), experts = first(w.experts, n), weights = first(w.weights, n);
+    b.matmul(L.gate_inp, xn, router);
+    b.router(router, lc.hash_routed ? Tensor{} : L.exp_probs_b, lc.hash_routed ? L.tid2eid : Tensor{},
+             first(w.tokens, n), c.route_scale, experts, weights);
+    trace("router_idx", il, experts);
+    trace("router_w", il, weights);
+    Tensor routed = first(w.routed, n);
+    b.moe(xn, experts, weights, L.gate_exps, L.up_exps, L.down_exps, lc.swiglu_limit, routed);
+
+    Tensor g = first(w.sh_gate, n), u = first(w.sh_up, n);
+    b.matmul(L.gate_shexp, xn, g);
+    b.matmul(L.up_shexp, xn, u);
+    b.swiglu(g, u, g, lc.swiglu_limit_shared);
+    Tensor out = first(w.out, n);
+    b.matmul(L.down_shexp, g, out);
+    b.add(routed, out, out);
+}
+
+}  // namespace dsv4

@@ -1,0 +1,80 @@
+// The DeepSeek V4 forward pass, written once against the backend op set (backend/backend.h).
+//
+// Model::eval() runs a batch of tokens at the state's next positions through every layer, chunk by chunk
+// (prefill), or one token (decode): the math is causal and streaming, so any chunking gives the same logits.
+// ../shared/docs/model-spec.md has the official semantics, hf-reference.md what the HF oracle computes.
+#pragma once
+
+#include "backend/backend.h"
+#include "format/gguf.h"
+#include "model/config.h"
+#include "model/kv_state.h"
+#include "model/weights.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace dsv4 {
+
+enum class Numerics {
+    reference,  // exactly what transformers 5.17 computes: no quantization simulation
+    official,   // plus DeepSeek's inference numerics: FP8 round trip of KV rows, Hadamard + FP4 in the indexer
+};
+
+const char * numerics_name(Numerics n);
+bool parse_numerics(std::string_view name, Numerics * out);
+
+enum class LogitsMode { none, last, all };
+
+// Debugging and block-level tests: called with named activations as the forward computes them ("embed",
+// "attn_in", "attn_out", "mlp_in", "mlp_out", "out", "compressed_kv", "indexer_kv", "indexer_topk",
+// "router_idx", "router_w", "hc_head_out", "final_norm_out"); layer is -1 outside the layers. The tensor is in
+// backend memory and valid only during the call.
+using TraceFn = std::function<void(std::string_view name, int64_t layer, const Tensor & t)>;
+
+class Model {
+  public:
+    // `n_ubatch`: the largest chunk eval() runs at once (longer inputs are split); scratch is sized for it.
+    Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics,
+          const GgufFile * mtp_file = nullptr);
+    ~Model();
+
+    const ModelConfig & config() const { return config_; }
+    const ModelWeights & weights() const { return weights_; }
+    Backend & backend() { return backend_; }
+    int64_t n_ubatch() const { return n_ubatch_; }
+    Numerics numerics() const { return numerics_; }
+
+    std::unique_ptr<KvState> new_state(int64_t n_ctx) const;
+    void set_trace(TraceFn trace) { trace_ = std::move(trace); }
+
+    // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory) gets
+    // n_vocab floats (mode last) or tokens.size()·n_vocab (mode all). `progress(done)` is called after each chunk
+    // with the number of tokens done; when it returns false, eval stops there (the state covers the finished
+    // chunks) and returns false.
+    bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
+              const std::function<bool(int64_t done)> & progress = {});
+
+  private:
+    struct Workspace;
+    void eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits);
+    void attention(int64_t il, KvState & state, int64_t pos0, int64_t n);
+    void ffn(int64_t il, int64_t n);
+    void trace(std::string_view name, int64_t layer, const Tensor & t) const {
+        if (trace_) trace_(name, layer, t);
+    }
+
+    ModelConfig config_;
+    Backend & backend_;
+    int64_t n_ubatch_;
+    Numerics numerics_;
+    ModelWeights weights_;
+    RopeSpec rope_[3];  // by LayerKind
+    std::unique_ptr<Workspace> ws_;
+    TraceFn trace_;
+};
+
+}  // namespace dsv4

@@ -1,0 +1,304 @@
+// The CPU forward pass against the HF transformers oracle (tests/data/oracle/*, made by
+// ../shared/oracle/make_reference.py on an H200): every fixture is converted to an f32 GGUF and evaluated in
+// reference numerics in one pass, in chunks of 1 and 7 tokens, with the oracle's prefill-then-decode and chunk
+// schedules, and across a snapshot/restore; block-level activations are compared with the oracle's intermediates.
+#include "backend/backend.h"
+#include "format/gguf.h"
+#include "format/safetensors.h"
+#include "model/convert.h"
+#include "model/forward.h"
+#include "util/error.h"
+#include "util/file.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <unistd.h>
+
+using namespace dsv4;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Npy {
+    std::vector<float> data;
+    int64_t rows = 0, cols = 0;
+};
+
+// NumPy .npy, float32 little-endian, C order, 2-D.
+Npy load_npy(const std::string & path) {
+    const std::string b = read_file(path);
+    EXPECT_EQ(b.substr(1, 5), "NUMPY");
+    uint16_t header_len;
+    std::memcpy(&header_len, b.data() + 8, 2);
+    const std::string header = b.substr(10, header_len);
+    EXPECT_NE(header.find("'<f4'"), std::string::npos) << header;
+    const size_t open = header.find("'shape': (") + 10;
+    Npy n;
+    std::sscanf(header.c_str() + open, "%ld, %ld", &n.rows, &n.cols);
+    n.data.resize(size_t(n.rows * n.cols));
+    std::memcpy(n.data.data(), b.data() + 10 + header_len, n.data.size() * sizeof(float));
+    return n;
+}
+
+struct Fixture {
+    std::string dir;
+    std::string gguf;
+    std::vector<int32_t> tokens;
+    int64_t prefill = 0;
+    std::vector<int64_t> chunks;
+    Npy logits;
+    std::set<int64_t> fragile;  // positions with an indexer/router top-k margin under 1e-4
+};
+
+// Converted GGUFs live in the temp folder for the test run and are removed at exit.
+struct TempFiles {
+    std::vector<std::string> paths;
+    ~TempFiles() {
+        for (const auto & p : paths) fs::remove(p);
+    }
+};
+
+const Fixture & fixture(const std::string & name) {
+    static std::map<std::string, Fixture> cache;
+    static TempFiles temp;
+    auto it = cache.find(name);
+    if (it != cache.end()) return it->second;
+    Fixture f;
+    f.dir = std::string(DSV4_TEST_DATA) + "/oracle/" + name;
+    const auto tok = nlohmann::json::parse(read_file(f.dir + "/tokens.json"));
+    f.tokens = tok["tokens"].get<std::vector<int32_t>>();
+    f.prefill = tok.value("prefill", int64_t(1));
+    if (tok.contains("chunk_schedule")) f.chunks = tok["chunk_schedule"].get<std::vector<int64_t>>();
+    f.logits = load_npy(f.dir + "/logits_full.npy");
+    if (fs::exists(f.dir + "/meta.json")) {
+        const auto meta = nlohmann::json::parse(read_file(f.dir + "/meta.json"));
+        for (auto & [layer, kinds] : meta["fragile_positions"].items())
+            for (auto & [kind, list] : kinds.items())
+                for (auto & pm : list) f.fragile.insert(pm[0].get<int64_t>());
+    }
+    f.gguf = (fs::temp_directory_path() / ("dsv4_oracle_" + name + "_" + std::to_string(::getpid()) + ".gguf")).string();
+    ConvertOptions opt;
+    opt.type = ConvertType::f32;
+    convert_checkpoint(f.dir, f.gguf, opt);
+    temp.paths.push_back(f.gguf);
+    return cache.emplace(name, std::move(f)).first->second;
+}
+
+struct Runner {
+    GgufFile file;
+    std::unique_ptr<Backend> backend;
+    std::unique_ptr<Model> model;
+
+    Runner(const Fixture & f, int64_t n_ubatch, Numerics numerics = Numerics::reference)
+        : file(GgufFile::open(f.gguf)), backend(make_cpu_backend({2, true})) {
+        model = std::make_unique<Model>(file, *backend, n_ubatch, numerics);
+    }
+
+    // Evaluates the tokens in calls of the given sizes on one state; returns every position's logits.
+    std::vector<float> run(const std::vector<int32_t> & tokens, const std::vector<int64_t> & calls) {
+        const int64_t V = model->config().n_vocab;
+        std::vector<float> out(tokens.size() * size_t(V));
+        auto state = model->new_state(int64_t(tokens.size()));
+        size_t pos = 0;
+        for (int64_t n : calls) {
+            model->eval(*state, std::span<const int32_t>(tokens).subspan(pos, size_t(n)), LogitsMode::all,
+                        out.data() + pos * size_t(V));
+            pos += size_t(n);
+        }
+        EXPECT_EQ(pos, tokens.size());
+        return out;
+    }
+};
+
+std::vector<int64_t> uniform_calls(size_t total, int64_t step) {
+    std::vector<int64_t> calls;
+    for (size_t done = 0; done < total; done += size_t(step)) calls.push_back(std::min<int64_t>(step, int64_t(total - done)));
+    return calls;
+}
+
+// Every logit within 1e-4·max(1, |ref|) outside the near-tie positions; the same top-1 token at >= 99%.
+void expect_matches_oracle(const Fixture & f, const std::vector<float> & got, const std::string & what) {
+    const int64_t S = f.logits.rows, V = f.logits.cols;
+    ASSERT_EQ(got.size(), f.logits.data.size()) << what;
+    int64_t agree = 0, bad_positions = 0;
+    double max_err = 0;
+    for (int64_t t = 0; t < S; ++t) {
+        const float * r = f.logits.data.data() + t * V;
+        const float * g = got.data() + t * V;
+        bool bad = false;
+        for (int64_t v = 0; v < V; ++v) {
+            const double err = std::fabs(double(r[v]) - double(g[v]));
+            max_err = std::max(max_err, err);
+            bad |= !(err <= 1e-4 * std::max(1.0, std::fabs(double(r[v]))));
+        }
+        if (bad && !f.fragile.count(t)) ++bad_positions;
+        agree += std::max_element(r, r + V) - r == std::max_element(g, g + V) - g;
+    }
+    EXPECT_EQ(bad_positions, 0) << what << ": positions beyond tolerance (max |err| " << max_err << ")";
+    EXPECT_GE(double(agree), 0.99 * double(S)) << what << ": top-1 agreement " << agree << "/" << S;
+    std::printf("%-34s max |logit err| %.3g, top-1 %ld/%ld\n", what.c_str(), max_err, agree, S);
+}
+
+class Oracle : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Oracle, OnePassMatchesLogits) {
+    const Fixture & f = fixture(GetParam());
+    Runner r(f, int64_t(f.tokens.size()));
+    expect_matches_oracle(f, r.run(f.tokens, {int64_t(f.tokens.size())}), GetParam() + " one pass");
+}
+
+TEST_P(Oracle, ChunkedAndTokenByTokenMatchLogits) {
+    const Fixture & f = fixture(GetParam());
+    for (int64_t ub : {1, 7}) {
+        Runner r(f, ub);
+        expect_matches_oracle(f, r.run(f.tokens, {int64_t(f.tokens.size())}), GetParam() + " ubatch " + std::to_string(ub));
+    }
+}
+
+TEST_P(Oracle, PrefillThenDecodeAndOracleSchedule) {
+    const Fixture & f = fixture(GetParam());
+    Runner r(f, 64);
+    std::vector<int64_t> incr = {f.prefill};
+    for (size_t i = size_t(f.prefill); i < f.tokens.size(); ++i) incr.push_back(1);
+    expect_matches_oracle(f, r.run(f.tokens, incr), GetParam() + " prefill+decode");
+    if (!f.chunks.empty()) expect_matches_oracle(f, r.run(f.tokens, f.chunks), GetParam() + " oracle chunks");
+}
+
+TEST_P(Oracle, SnapshotRestoreContinuesExactly) {
+    const Fixture & f = fixture(GetParam());
+    Runner r(f, 16);
+    const int64_t V = r.model->config().n_vocab;
+    const size_t n = f.tokens.size(), half = n / 2 + 3;
+    const std::vector<float> whole = r.run(f.tokens, uniform_calls(n, 16));
+
+    auto a = r.model->new_state(int64_t(n));
+    std::vector<float> logits((n - half) * size_t(V));
+    r.model->eval(*a, std::span<const int32_t>(f.tokens).first(half), LogitsMode::none, nullptr);
+    const std::string snap = a->snapshot();
+    auto b = r.model->new_state(int64_t(n) + 100);  // another context size: the snapshot does not depend on it
+    b->restore(snap);
+    EXPECT_EQ(b->n_past(), int64_t(half));
+    r.model->eval(*b, std::span<const int32_t>(f.tokens).subspan(half), LogitsMode::all, logits.data());
+    // Same chunk boundaries as the uninterrupted run only after the snapshot point; compare to tolerance.
+    for (size_t i = 0; i < logits.size(); ++i)
+        ASSERT_NEAR(logits[i], whole[half * size_t(V) + i], 1e-4 * std::max(1.0f, std::fabs(whole[half * size_t(V) + i])));
+
+    // A corrupted snapshot is refused and leaves the state empty.
+    std::string bad = snap;
+    bad[bad.size() / 2] ^= 1;
+    EXPECT_THROW(b->restore(bad), Error);
+    EXPECT_EQ(b->n_past(), 0);
+    EXPECT_THROW(b->restore(snap.substr(0, snap.size() - 9)), Error);
+    auto small = r.model->new_state(int64_t(half) - 1);
+    EXPECT_THROW(small->restore(snap), Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Oracle, ::testing::Values("hf-small-seed1", "hf-edge-seed1"));
+
+// Block-level: every traced activation of a one-pass forward against the oracle's intermediates.
+class Intermediates : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Intermediates, EveryBlockMatches) {
+    const Fixture & f = fixture(GetParam());
+    const SafetensorsSet ref = SafetensorsSet::open(f.dir + "/intermediates.safetensors");
+    Runner r(f, int64_t(f.tokens.size()));
+    std::map<std::string, std::vector<float>> got_f;
+    std::map<std::string, std::vector<int32_t>> got_i;
+    std::map<std::string, int64_t> width;
+    r.model->set_trace([&](std::string_view name, int64_t layer, const Tensor & t) {
+        const std::string key = layer < 0 ? std::string(name) : "layers." + std::to_string(layer) + "." + std::string(name);
+        width[key] = t.ne[0];
+        if (t.type == GgmlType::I32) {
+            auto & v = got_i[key];
+            v.insert(v.end(), t.i32(), t.i32() + t.n_elements());
+        } else {
+            auto & v = got_f[key];
+            v.insert(v.end(), t.f32(), t.f32() + t.n_elements());
+        }
+    });
+    r.run(f.tokens, {int64_t(f.tokens.size())});
+    // The oracle lists each token's experts (and their weights) by expert id; dsv4 keeps selection order.
+    for (auto & [key, w] : got_f) {
+        if (key.size() < 9 || key.compare(key.size() - 9, 9, ".router_w") != 0) continue;
+        const std::vector<int32_t> & idx = got_i[key.substr(0, key.size() - 1) + "idx"];
+        const size_t k = size_t(width[key]);
+        for (size_t s = 0; s < w.size() / k; ++s) {
+            std::vector<std::pair<int32_t, float>> row;
+            for (size_t j = 0; j < k; ++j) row.push_back({idx[s * k + j], w[s * k + j]});
+            std::sort(row.begin(), row.end());
+            for (size_t j = 0; j < k; ++j) w[s * k + j] = row[j].second;
+        }
+    }
+
+    size_t compared = 0;
+    for (const StTensor & t : ref.tensors()) {
+        SCOPED_TRACE(t.name);
+        if (t.dtype == StDtype::I32) {
+            // Selections: compare as sets per position (the oracle lists experts by id, rows with -1 padding).
+            auto it = got_i.find(t.name);
+            ASSERT_NE(it, got_i.end()) << "not traced";
+            const int64_t k = t.shape.back(), S = t.shape[0];
+            const int32_t * rv = reinterpret_cast<const int32_t *>(t.data);
+            int64_t differ = 0;
+            for (int64_t s = 0; s < S; ++s) {
+                std::multiset<int32_t> a(rv + s * k, rv + (s + 1) * k), b;
+                const int64_t gk = width[t.name];
+                for (int64_t j = 0; j < gk; ++j) b.insert(it->second[size_t(s * gk + j)]);
+                a.erase(-1);
+                b.erase(-1);
+                if (a != b && !f.fragile.count(s)) ++differ;
+            }
+            EXPECT_EQ(differ, 0);
+            ++compared;
+            continue;
+        }
+        if (t.name.find("indexer_scores") != std::string::npos) continue;  // internal to indexer_select
+        auto it = got_f.find(t.name);
+        ASSERT_NE(it, got_f.end()) << "not traced";
+        ASSERT_EQ(it->second.size(), size_t(t.n_elements()));
+        const float * rv = reinterpret_cast<const float *>(t.data);
+        double max_err = 0;
+        for (int64_t i = 0; i < t.n_elements(); ++i)
+            max_err = std::max(max_err, std::fabs(double(rv[i]) - double(it->second[size_t(i)])) /
+                                            std::max(1.0, std::fabs(double(rv[i]))));
+        EXPECT_LT(max_err, 1e-4);
+        ++compared;
+    }
+    EXPECT_GT(compared, 20u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Intermediates, ::testing::Values("hf-small-seed1", "hf-edge-seed1"));
+
+// DeepSeek's official checkpoint encoding (FP8 E4M3 weights with 128×128 E8M0 scales, packed FP4 experts) and
+// official numerics. The official oracle runs bf16 activations and FP8 GEMMs, which dsv4 does not simulate, so
+// its logits are a loose bound (official-numerics.md: HF fp32 is mean |Δ| 0.64, top-1 54 % from it); a broken
+// FP8/FP4 decode lands far outside.
+TEST(OfficialCheckpoint, ConvertsAndStaysNearTheOfficialOracle) {
+    const Fixture & f = fixture("official-tiny");
+    for (Numerics num : {Numerics::reference, Numerics::official}) {
+        Runner r(f, 64, num);
+        const std::vector<float> got = r.run(f.tokens, uniform_calls(f.tokens.size(), 64));
+        const int64_t S = f.logits.rows, V = f.logits.cols;
+        double sum = 0;
+        int64_t agree = 0;
+        for (int64_t t = 0; t < S; ++t) {
+            const float * rr = f.logits.data.data() + t * V;
+            const float * g = got.data() + t * V;
+            for (int64_t v = 0; v < V; ++v) sum += std::fabs(double(rr[v]) - double(g[v]));
+            agree += std::max_element(rr, rr + V) - rr == std::max_element(g, g + V) - g;
+        }
+        const double mean = sum / double(S * V);
+        std::printf("official-tiny, %s numerics: mean |logit err| %.3f, top-1 %ld/%ld\n", numerics_name(num), mean,
+                    agree, S);
+        EXPECT_LT(mean, 0.8);
+        EXPECT_GT(double(agree), 0.45 * double(S));
+    }
+}
+
+}  // namespace

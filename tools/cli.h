@@ -1,0 +1,32 @@
+// The `dsv4` command line: main() in dsv4.cpp parses the options and calls one of these commands.
+// Each returns the process exit code; errors are dsv4::Error exceptions that main() prints.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsv4::cli {
+
+struct Options {
+    std::string model;              // -m MODEL.gguf (a model or a vocabulary-only GGUF)
+    std::string mtp;                // --mtp MTP.gguf (ds4's separate MTP file)
+    std::string backend = "auto";   // --backend cpu|cuda|auto
+    int threads = 0;                // --threads N (cpu)
+    int64_t ubatch = 256;           // --ubatch N: prefill chunk (1 = token by token)
+    int64_t ctx = 0;                // --ctx N
+    std::string numerics = "official";  // --numerics reference|official
+    bool f32_activations = false;   // --f32-activations: no 8-bit activation quantization on cpu
+    std::string tokens_file;        // --tokens-file T.json
+    std::string dump_logits;        // --dump-logits OUT.f32
+    std::string tokenize_file;      // --tokenize-file FILE: print ids (raw rules) as a JSON array
+    std::string detokenize_file;    // --detokenize-file IDS.json: print the text
+    std::string render_chat_file;   // --render-chat REQUEST.json: print the rendered prompt
+};
+
+int run_dump_logits(const Options & opts);  // cli_eval.cpp
+int run_tokenize(const Options & opts);    // cli_tokenize.cpp
+int run_detokenize(const Options & opts);  // cli_tokenize.cpp
+int run_render_chat(const Options & opts); // cli_render.cpp
+
+}  // namespace dsv4::cli

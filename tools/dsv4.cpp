@@ -1,0 +1,46 @@
+// dsv4: the command-line front end. Parses options and dispatches to the commands declared in cli.h.
+#include "dsv4/engine.h"
+#include "tools/cli.h"
+#include "util/error.h"
+#include "util/log.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+int main(int argc, char ** argv) {
+    using namespace dsv4;
+    cli::Options opts;
+    CLI::App app{"dsv4: DeepSeek V4 inference engine"};
+    app.add_option("-m,--model", opts.model, "model or vocabulary GGUF");
+    app.add_option("--mtp", opts.mtp, "ds4's separate MTP GGUF");
+    app.add_option("--backend", opts.backend, "cpu, cuda or auto");
+    app.add_option("-t,--threads", opts.threads, "CPU threads (default: all)");
+    app.add_option("--ubatch", opts.ubatch, "prefill chunk size (1: token by token)")->check(CLI::Range(1, 1 << 20));
+    app.add_option("-c,--ctx", opts.ctx, "context length");
+    app.add_option("--numerics", opts.numerics, "official (DeepSeek's KV/indexer rounding) or reference (exact HF)");
+    app.add_flag("--f32-activations", opts.f32_activations, "multiply quantized weights with f32 activations");
+    app.add_option("--tokens-file", opts.tokens_file, "token ids to evaluate (JSON array or {\"tokens\": [...]})");
+    app.add_option("--dump-logits", opts.dump_logits, "write every position's logits (f32 [n, vocab]) here");
+    bool version = false;
+    app.add_flag("--version", version, "print version, commit, backends and devices");
+    app.add_option("--tokenize-file", opts.tokenize_file, "print the token ids of the file's text (JSON array)");
+    app.add_option("--detokenize-file", opts.detokenize_file, "print the text of a JSON array of token ids");
+    app.add_option("--render-chat", opts.render_chat_file, "print the rendered prompt of an OpenAI-style request");
+    CLI11_PARSE(app, argc, argv);
+    try {
+        if (version) {
+            std::printf("%s\n", version_string().c_str());
+            return 0;
+        }
+        if (!opts.dump_logits.empty()) return cli::run_dump_logits(opts);
+        if (!opts.tokenize_file.empty()) return cli::run_tokenize(opts);
+        if (!opts.detokenize_file.empty()) return cli::run_detokenize(opts);
+        if (!opts.render_chat_file.empty()) return cli::run_render_chat(opts);
+        std::fputs(app.help().c_str(), stderr);
+        return 2;
+    } catch (const Error & e) {
+        log_error("{}", e.what());
+        return 1;
+    }
+}
