@@ -22,7 +22,7 @@ int main(int argc, char ** argv) {
     app.add_option("--name", opts.name, "general.name (default: the folder name)");
     CLI11_PARSE(app, argc, argv);
     try {
-        if (!parse_convert_type(type_name, &opts.type)) fail("--type: unknown type '{}'", type_name);
+        if (!parse_storage_mix(type_name, &opts.mix)) fail("--type: unknown type '{}'", type_name);
         const bool tty = isatty(2);
         Timer timer;
         double last = -1;

@@ -1,5 +1,7 @@
 #include "model/convert.h"
 
+#include "model/layout.h"
+
 #include "format/gguf.h"
 #include "format/quant.h"
 #include "format/safetensors.h"
@@ -19,30 +21,6 @@
 #include <optional>
 
 namespace dsv4 {
-
-bool parse_convert_type(std::string_view name, ConvertType * out) {
-    static const std::pair<std::string_view, ConvertType> kTypes[] = {
-        {"f32", ConvertType::f32}, {"f16", ConvertType::f16}, {"bf16", ConvertType::bf16},
-        {"q8_0", ConvertType::q8_0}, {"q2", ConvertType::q2}, {"q4", ConvertType::q4}};
-    for (auto & [n, t] : kTypes)
-        if (n == name) {
-            *out = t;
-            return true;
-        }
-    return false;
-}
-
-const char * convert_type_name(ConvertType type) {
-    switch (type) {
-        case ConvertType::f32: return "f32";
-        case ConvertType::f16: return "f16";
-        case ConvertType::bf16: return "bf16";
-        case ConvertType::q8_0: return "q8_0";
-        case ConvertType::q2: return "q2";
-        case ConvertType::q4: return "q4";
-    }
-    return "?";
-}
 
 namespace {
 
@@ -352,65 +330,136 @@ RowSource concat_rows(std::vector<RowSource> parts) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// The plan: every output tensor with its type and source
+// The plan: every tensor of the layout with its source
 // ---------------------------------------------------------------------------------------------------------------------
 
-enum class Role {
-    vector,      // norms, sinks, HC scale/base, router bias: always F32
-    table,       // token → experts: I32
-    embedding,   // token embedding
-    control,     // HC mixing, router, compressors, indexer: F16 in quantized files (ds4's recipe)
-    dense,       // attention projections, shared expert, LM head
-    expert_gate, // routed expert gate/up
-    expert_down, // routed expert down
-};
+ModelConfig model_config(const SrcConfig & s, const std::string & name) {
+    ModelConfig c;
+    c.name = name;
+    c.n_layer = s.n_layer;
+    c.n_embd = s.dim;
+    c.n_vocab = s.vocab;
+    c.n_ctx_train = s.max_ctx;
+    c.n_head = s.n_head;
+    c.head_dim = s.head_dim;
+    c.n_rot = s.n_rot;
+    c.q_lora_rank = s.q_lora;
+    c.o_groups = s.o_groups;
+    c.o_lora_rank = s.o_lora;
+    c.window = s.window;
+    c.rope_base = s.rope_base;
+    c.rope_base_compressed = s.rope_base_compressed;
+    c.yarn = {s.yarn, s.yarn_factor, s.yarn_original, s.yarn_beta_fast, s.yarn_beta_slow};
+    c.indexer_heads = s.idx_heads;
+    c.indexer_dim = s.idx_dim;
+    c.indexer_top_k = s.idx_top_k;
+    c.n_expert = s.n_expert;
+    c.n_expert_used = s.n_used;
+    c.n_expert_shared = 1;
+    c.expert_ff = s.expert_ff;
+    c.route_scale = float(s.route_scale);
+    c.hc = s.hc;
+    c.hc_iters = s.hc_iters;
+    c.hc_eps = float(s.hc_eps);
+    c.norm_eps = float(s.norm_eps);
+    for (const SrcLayer & l : s.layers) {
+        LayerConfig lc;
+        lc.kind = l.ratio == 0 ? LayerKind::sliding : l.csa ? LayerKind::csa : LayerKind::hca;
+        lc.compress_ratio = l.ratio;
+        lc.hash_routed = l.hash;
+        lc.swiglu_limit = lc.swiglu_limit_shared = float(s.swiglu_limit);
+        c.n_hash_layers += l.hash;
+        c.layers.push_back(lc);
+    }
+    return c;
+}
+
+// Tensor names of a slot in the two checkpoint namings: transformers', then DeepSeek's (layer prefixes added
+// by the caller). Experts and the token table are handled apart.
+std::pair<const char *, const char *> source_names(Slot slot) {
+    switch (slot) {
+        case Slot::token_embd: return {"model.embed_tokens.weight", "embed.weight"};
+        case Slot::output_norm: return {"model.norm.weight", "norm.weight"};
+        case Slot::output: return {"lm_head.weight", "head.weight"};
+        case Slot::output_hc_fn: return {"model.hc_head.hc_fn", "hc_head_fn"};
+        case Slot::output_hc_scale: return {"model.hc_head.hc_scale", "hc_head_scale"};
+        case Slot::output_hc_base: return {"model.hc_head.hc_base", "hc_head_base"};
+        case Slot::hc_attn_fn: return {"attn_hc.fn", "hc_attn_fn"};
+        case Slot::hc_attn_scale: return {"attn_hc.scale", "hc_attn_scale"};
+        case Slot::hc_attn_base: return {"attn_hc.base", "hc_attn_base"};
+        case Slot::hc_ffn_fn: return {"ffn_hc.fn", "hc_ffn_fn"};
+        case Slot::hc_ffn_scale: return {"ffn_hc.scale", "hc_ffn_scale"};
+        case Slot::hc_ffn_base: return {"ffn_hc.base", "hc_ffn_base"};
+        case Slot::attn_norm: return {"input_layernorm.weight", "attn_norm.weight"};
+        case Slot::q_a: return {"self_attn.q_a_proj.weight", "attn.wq_a.weight"};
+        case Slot::q_a_norm: return {"self_attn.q_a_norm.weight", "attn.q_norm.weight"};
+        case Slot::q_b: return {"self_attn.q_b_proj.weight", "attn.wq_b.weight"};
+        case Slot::kv: return {"self_attn.kv_proj.weight", "attn.wkv.weight"};
+        case Slot::kv_norm: return {"self_attn.kv_norm.weight", "attn.kv_norm.weight"};
+        case Slot::sinks: return {"self_attn.sinks", "attn.attn_sink"};
+        case Slot::o_a: return {"self_attn.o_a_proj.weight", "attn.wo_a.weight"};
+        case Slot::o_b: return {"self_attn.o_b_proj.weight", "attn.wo_b.weight"};
+        case Slot::comp_kv: return {"self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight"};
+        case Slot::comp_gate: return {"self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight"};
+        case Slot::comp_ape: return {"self_attn.compressor.position_bias", "attn.compressor.ape"};
+        case Slot::comp_norm: return {"self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight"};
+        case Slot::idx_q_b: return {"self_attn.compressor.indexer.q_b_proj.weight", "attn.indexer.wq_b.weight"};
+        case Slot::idx_proj:
+            return {"self_attn.compressor.indexer.scorer.weights_proj.weight", "attn.indexer.weights_proj.weight"};
+        case Slot::idx_comp_kv: return {"self_attn.compressor.indexer.kv_proj.weight", "attn.indexer.compressor.wkv.weight"};
+        case Slot::idx_comp_gate:
+            return {"self_attn.compressor.indexer.gate_proj.weight", "attn.indexer.compressor.wgate.weight"};
+        case Slot::idx_comp_ape: return {"self_attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"};
+        case Slot::idx_comp_norm:
+            return {"self_attn.compressor.indexer.kv_norm.weight", "attn.indexer.compressor.norm.weight"};
+        case Slot::ffn_norm: return {"post_attention_layernorm.weight", "ffn_norm.weight"};
+        case Slot::gate_inp: return {"mlp.gate.weight", "ffn.gate.weight"};
+        case Slot::exp_probs_b: return {"mlp.gate.e_score_correction_bias", "ffn.gate.bias"};
+        case Slot::tid2eid: return {"mlp.gate.tid2eid", "ffn.gate.tid2eid"};
+        case Slot::gate_shexp: return {"mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight"};
+        case Slot::up_shexp: return {"mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"};
+        case Slot::down_shexp: return {"mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"};
+        default: return {nullptr, nullptr};
+    }
+}
 
 struct Planned {
-    std::string name;
+    TensorSpec spec;
     GgmlType type;
-    std::vector<int64_t> ne;  // ggml order
     RowSource src;
     const StTensor * table = nullptr;  // Role::table: the I64/I32 source
 };
 
-GgmlType float_type(ConvertType t) {
-    return t == ConvertType::f32 ? GgmlType::F32 : t == ConvertType::bf16 ? GgmlType::BF16 : GgmlType::F16;
-}
-
-GgmlType type_for(Role role, ConvertType t) {
-    const bool quantized = t == ConvertType::q8_0 || t == ConvertType::q2 || t == ConvertType::q4;
-    switch (role) {
-        case Role::vector: return GgmlType::F32;
-        case Role::table: return GgmlType::I32;
-        case Role::embedding:
-        case Role::control: return quantized ? GgmlType::F16 : float_type(t);
-        case Role::dense: return quantized ? GgmlType::Q8_0 : float_type(t);
-        case Role::expert_gate:
-            return t == ConvertType::q2 ? GgmlType::IQ2_XXS : t == ConvertType::q4 ? GgmlType::Q4_K
-                                          : t == ConvertType::q8_0 ? GgmlType::Q8_0 : float_type(t);
-        case Role::expert_down:
-            return t == ConvertType::q2 ? GgmlType::Q2_K : t == ConvertType::q4 ? GgmlType::Q4_K
-                                          : t == ConvertType::q8_0 ? GgmlType::Q8_0 : float_type(t);
-    }
-    return GgmlType::F32;
-}
-
 class Planner {
   public:
-    Planner(const SafetensorsSet & st, const SrcConfig & c, ConvertType type) : st_(st), c_(c), type_(type) {}
+    Planner(const SafetensorsSet & st, const ModelConfig & c, StorageMix mix) : st_(st), c_(c), mix_(mix) {}
 
     std::vector<Planned> plan() {
-        const int64_t D = c_.dim, V = c_.vocab;
-        add("token_embd.weight", Role::embedding, {D, V}, src("model.embed_tokens.weight", "embed.weight"));
-        add("output_norm.weight", Role::vector, {D}, src("model.norm.weight", "norm.weight"));
-        const bool tied = !find("lm_head.weight", "head.weight");
-        add("output.weight", Role::dense, {D, V},
-            tied ? src("model.embed_tokens.weight", "embed.weight") : src("lm_head.weight", "head.weight"));
-        add("output_hc_fn.weight", Role::control, {c_.hc * D, c_.hc}, src("model.hc_head.hc_fn", "hc_head_fn"));
-        add("output_hc_scale.weight", Role::vector, {1}, src("model.hc_head.hc_scale", "hc_head_scale"));
-        add("output_hc_base.weight", Role::vector, {c_.hc}, src("model.hc_head.hc_base", "hc_head_base"));
-        for (int64_t il = 0; il < c_.n_layer; ++il) plan_layer(il);
-        return std::move(out_);
+        std::vector<Planned> out;
+        for (const TensorSpec & spec : tensor_layout(c_)) {
+            const std::string h = spec.layer < 0 ? "" : fmt::format("model.layers.{}.", spec.layer);
+            const std::string o = spec.layer < 0 ? "" : fmt::format("layers.{}.", spec.layer);
+            Planned p{spec, storage_type(spec.role, mix_, spec.ne[0]), {}, nullptr};
+            if (p.type != storage_type(spec.role, mix_, int64_t(1) << 20)) ++fallbacks_;
+            auto [hf, off] = source_names(spec.slot);
+            if (spec.slot == Slot::exp_probs_b && !find(h + hf, o + off)) continue;  // optional: a zero bias
+            if (spec.role == Role::table) {
+                p.table = &need(h + hf, o + off);
+                check_table(*p.table);
+            } else if (spec.slot == Slot::gate_exps || spec.slot == Slot::up_exps || spec.slot == Slot::down_exps) {
+                p.src = experts(spec.slot, h, o);
+            } else if (spec.slot == Slot::output && !find(hf, off)) {
+                p.src = src("model.embed_tokens.weight", "embed.weight");  // tied embeddings
+            } else {
+                p.src = src(h + hf, o + off);
+            }
+            if (!p.table)
+                DSV4_CHECK(p.src.cols == spec.ne[0] && p.src.rows == spec.rows(),
+                           "checkpoint tensor for '{}' is [{} rows, {} cols], expected [{} rows, {} cols]", spec.name,
+                           p.src.rows, p.src.cols, spec.rows(), spec.ne[0]);
+            out.push_back(std::move(p));
+        }
+        return out;
     }
 
     size_t fallbacks() const { return fallbacks_; }
@@ -424,8 +473,7 @@ class Planner {
 
     const StTensor & need(const std::string & hf, const std::string & official) const {
         const StTensor * t = find(hf, official);
-        DSV4_CHECK(t, "checkpoint has no tensor '{}' (or '{}')", c_.official ? official : hf,
-                   c_.official ? hf : official);
+        DSV4_CHECK(t, "checkpoint has no tensor '{}' (or '{}')", hf, official);
         return *t;
     }
 
@@ -442,195 +490,39 @@ class Planner {
         return plain(t);
     }
 
-    void add(const std::string & name, Role role, std::vector<int64_t> ne, RowSource s) {
-        int64_t rows = 1;
-        for (size_t i = 1; i < ne.size(); ++i) rows *= ne[i];
-        DSV4_CHECK(s.cols == ne[0] && s.rows == rows, "tensor for '{}' is [{} rows, {} cols], expected [{} rows, {} cols]",
-                   name, s.rows, s.cols, rows, ne[0]);
-        GgmlType type = type_for(role, type_);
-        // Rows that do not split into the type's blocks fall back to Q8_0, then to F16.
-        if (ne[0] % type_traits(type).block_elems != 0) {
-            GgmlType fb = ne[0] % QK8_0 == 0 && type != GgmlType::Q8_0 ? GgmlType::Q8_0 : GgmlType::F16;
-            log_debug("{}: rows of {} do not fit {} blocks; stored as {}", name, ne[0], type_name(type), type_name(fb));
-            type = fb;
-            ++fallbacks_;
-        }
-        out_.push_back({name, type, std::move(ne), std::move(s), nullptr});
-    }
-
-    void add_table(const std::string & name, const StTensor & t) {
-        DSV4_CHECK(t.shape.size() == 2 && t.shape[0] == c_.vocab && t.shape[1] == c_.n_used,
-                   "{}: '{}' should be [{}, {}]", *t.file, t.name, c_.vocab, c_.n_used);
+    void check_table(const StTensor & t) const {
+        DSV4_CHECK(t.shape.size() == 2 && t.shape[0] == c_.n_vocab && t.shape[1] == c_.n_expert_used,
+                   "{}: '{}' should be [{}, {}]", *t.file, t.name, c_.n_vocab, c_.n_expert_used);
         DSV4_CHECK(t.dtype == StDtype::I64 || t.dtype == StDtype::I32, "{}: '{}' has dtype {}, expected I64 or I32",
                    *t.file, t.name, st_dtype_name(t.dtype));
-        out_.push_back({name, GgmlType::I32, {c_.n_used, c_.vocab}, {}, &t});
     }
 
-    void plan_layer(int64_t il) {
-        const SrcLayer & l = c_.layers[size_t(il)];
-        const int64_t D = c_.dim, d = c_.head_dim, mix = (2 + c_.hc) * c_.hc;
-        const std::string h = fmt::format("model.layers.{}.", il), o = fmt::format("layers.{}.", il);
-        const std::string g = fmt::format("blk.{}.", il);
-        auto S = [&](const std::string & hf, const std::string & off) { return src(h + hf, o + off); };
-
-        add(g + "hc_attn_fn.weight", Role::control, {c_.hc * D, mix}, S("attn_hc.fn", "hc_attn_fn"));
-        add(g + "hc_attn_scale.weight", Role::vector, {3}, S("attn_hc.scale", "hc_attn_scale"));
-        add(g + "hc_attn_base.weight", Role::vector, {mix}, S("attn_hc.base", "hc_attn_base"));
-        add(g + "hc_ffn_fn.weight", Role::control, {c_.hc * D, mix}, S("ffn_hc.fn", "hc_ffn_fn"));
-        add(g + "hc_ffn_scale.weight", Role::vector, {3}, S("ffn_hc.scale", "hc_ffn_scale"));
-        add(g + "hc_ffn_base.weight", Role::vector, {mix}, S("ffn_hc.base", "hc_ffn_base"));
-
-        add(g + "attn_norm.weight", Role::vector, {D}, S("input_layernorm.weight", "attn_norm.weight"));
-        add(g + "attn_q_a.weight", Role::dense, {D, c_.q_lora}, S("self_attn.q_a_proj.weight", "attn.wq_a.weight"));
-        add(g + "attn_q_a_norm.weight", Role::vector, {c_.q_lora}, S("self_attn.q_a_norm.weight", "attn.q_norm.weight"));
-        add(g + "attn_q_b.weight", Role::dense, {c_.q_lora, c_.n_head * d},
-            S("self_attn.q_b_proj.weight", "attn.wq_b.weight"));
-        add(g + "attn_kv.weight", Role::dense, {D, d}, S("self_attn.kv_proj.weight", "attn.wkv.weight"));
-        add(g + "attn_kv_a_norm.weight", Role::vector, {d}, S("self_attn.kv_norm.weight", "attn.kv_norm.weight"));
-        add(g + "attn_sinks.weight", Role::vector, {c_.n_head}, S("self_attn.sinks", "attn.attn_sink"));
-        add(g + "attn_output_a.weight", Role::dense, {c_.n_head * d / c_.o_groups, c_.o_groups * c_.o_lora},
-            S("self_attn.o_a_proj.weight", "attn.wo_a.weight"));
-        add(g + "attn_output_b.weight", Role::dense, {c_.o_groups * c_.o_lora, D},
-            S("self_attn.o_b_proj.weight", "attn.wo_b.weight"));
-
-        if (l.ratio != 0) {
-            const int64_t w = (l.csa ? 2 : 1) * d;
-            add(g + "attn_compressor_kv.weight", Role::control, {D, w},
-                S("self_attn.compressor.kv_proj.weight", "attn.compressor.wkv.weight"));
-            add(g + "attn_compressor_gate.weight", Role::control, {D, w},
-                S("self_attn.compressor.gate_proj.weight", "attn.compressor.wgate.weight"));
-            add(g + "attn_compressor_ape.weight", Role::control, {w, l.ratio},
-                S("self_attn.compressor.position_bias", "attn.compressor.ape"));
-            add(g + "attn_compressor_norm.weight", Role::vector, {d},
-                S("self_attn.compressor.kv_norm.weight", "attn.compressor.norm.weight"));
-        }
-        if (l.csa) {
-            const int64_t dI = c_.idx_dim;
-            const std::string hi = "self_attn.compressor.indexer.", oi = "attn.indexer.";
-            add(g + "indexer.attn_q_b.weight", Role::control, {c_.q_lora, c_.idx_heads * dI},
-                S(hi + "q_b_proj.weight", oi + "wq_b.weight"));
-            add(g + "indexer.proj.weight", Role::control, {D, c_.idx_heads},
-                S(hi + "scorer.weights_proj.weight", oi + "weights_proj.weight"));
-            add(g + "indexer_compressor_kv.weight", Role::control, {D, 2 * dI},
-                S(hi + "kv_proj.weight", oi + "compressor.wkv.weight"));
-            add(g + "indexer_compressor_gate.weight", Role::control, {D, 2 * dI},
-                S(hi + "gate_proj.weight", oi + "compressor.wgate.weight"));
-            add(g + "indexer_compressor_ape.weight", Role::control, {2 * dI, l.ratio},
-                S(hi + "position_bias", oi + "compressor.ape"));
-            add(g + "indexer_compressor_norm.weight", Role::vector, {dI},
-                S(hi + "kv_norm.weight", oi + "compressor.norm.weight"));
-        }
-
-        add(g + "ffn_norm.weight", Role::vector, {D}, S("post_attention_layernorm.weight", "ffn_norm.weight"));
-        add(g + "ffn_gate_inp.weight", Role::control, {D, c_.n_expert}, S("mlp.gate.weight", "ffn.gate.weight"));
-        if (l.hash) {
-            add_table(g + "ffn_gate_tid2eid.weight", need(h + "mlp.gate.tid2eid", o + "ffn.gate.tid2eid"));
-        } else if (find(h + "mlp.gate.e_score_correction_bias", o + "ffn.gate.bias")) {
-            add(g + "exp_probs_b.bias", Role::vector, {c_.n_expert},
-                S("mlp.gate.e_score_correction_bias", "ffn.gate.bias"));
-        }
-
-        const int64_t I = c_.expert_ff, E = c_.n_expert;
+    // Routed experts: transformers stacks them ([E, 2I, D] gate_up, [E, D, I] down); DeepSeek stores one matrix
+    // per expert, as packed FP4 with per-32 scales or as a float tensor.
+    RowSource experts(Slot slot, const std::string & h, const std::string & o) const {
+        const int64_t I = c_.expert_ff, D = c_.n_embd;
         if (const StTensor * gu = st_.find(h + "mlp.experts.gate_up_proj")) {
-            const StTensor & down = need(h + "mlp.experts.down_proj", o + "ffn.experts.0.w2.weight");
-            add(g + "ffn_gate_exps.weight", Role::expert_gate, {D, I, E}, stacked_slices(*gu, 0, I));
-            add(g + "ffn_up_exps.weight", Role::expert_gate, {D, I, E}, stacked_slices(*gu, I, I));
-            add(g + "ffn_down_exps.weight", Role::expert_down, {I, D, E}, stacked_slices(down, 0, D));
-        } else {
-            auto experts = [&](const char * w) {
-                std::vector<RowSource> parts;
-                for (int64_t e = 0; e < E; ++e) {
-                    const std::string base = fmt::format("{}ffn.experts.{}.{}", o, e, w);
-                    const StTensor & t = need(base + ".weight", base + ".weight");
-                    if (t.dtype == StDtype::I8 || t.dtype == StDtype::U8)
-                        parts.push_back(fp4_packed(t, need(base + ".scale", base + ".scale")));
-                    else
-                        parts.push_back(src(base + ".weight", base + ".weight"));
-                }
-                return concat_rows(std::move(parts));
-            };
-            add(g + "ffn_gate_exps.weight", Role::expert_gate, {D, I, E}, experts("w1"));
-            add(g + "ffn_up_exps.weight", Role::expert_gate, {D, I, E}, experts("w3"));
-            add(g + "ffn_down_exps.weight", Role::expert_down, {I, D, E}, experts("w2"));
+            if (slot == Slot::down_exps) return stacked_slices(need(h + "mlp.experts.down_proj", ""), 0, D);
+            return stacked_slices(*gu, slot == Slot::gate_exps ? 0 : I, I);
         }
-        add(g + "ffn_gate_shexp.weight", Role::dense, {D, I},
-            S("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight"));
-        add(g + "ffn_up_shexp.weight", Role::dense, {D, I},
-            S("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"));
-        add(g + "ffn_down_shexp.weight", Role::dense, {I, D},
-            S("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"));
+        const char * w = slot == Slot::gate_exps ? "w1" : slot == Slot::up_exps ? "w3" : "w2";
+        std::vector<RowSource> parts;
+        for (int64_t e = 0; e < c_.n_expert; ++e) {
+            const std::string base = fmt::format("{}ffn.experts.{}.{}", o, e, w);
+            const StTensor & t = need(base + ".weight", base + ".weight");
+            if (t.dtype == StDtype::I8 || t.dtype == StDtype::U8)
+                parts.push_back(fp4_packed(t, need(base + ".scale", base + ".scale")));
+            else
+                parts.push_back(src(base + ".weight", base + ".weight"));
+        }
+        return concat_rows(std::move(parts));
     }
 
     const SafetensorsSet & st_;
-    const SrcConfig & c_;
-    ConvertType type_;
-    std::vector<Planned> out_;
+    const ModelConfig & c_;
+    StorageMix mix_;
     size_t fallbacks_ = 0;
 };
-
-void write_metadata(GgufWriter & w, const SrcConfig & c, const ConvertOptions & opt, const std::string & name,
-                    const GgufFile * vocab) {
-    const std::string a = "deepseek4.";
-    auto u32 = [&](const std::string & k, int64_t v) { w.set(a + k, GgufValue::make_u32(uint32_t(v))); };
-    auto f32 = [&](const std::string & k, double v) { w.set(a + k, GgufValue::make_f32(float(v))); };
-    w.set("general.architecture", GgufValue::make_string("deepseek4"));
-    w.set("general.name", GgufValue::make_string(name));
-    w.set("general.converter", GgufValue::make_string(fmt::format("dsv4-convert --type {}", convert_type_name(opt.type))));
-    if (c.max_ctx > 0) u32("context_length", c.max_ctx);
-    u32("embedding_length", c.dim);
-    u32("block_count", c.n_layer);
-    u32("vocab_size", c.vocab);
-    u32("attention.head_count", c.n_head);
-    u32("attention.head_count_kv", 1);
-    u32("attention.key_length", c.head_dim);
-    u32("attention.value_length", c.head_dim);
-    u32("rope.dimension_count", c.n_rot);
-    u32("attention.q_lora_rank", c.q_lora);
-    u32("attention.output_lora_rank", c.o_lora);
-    u32("attention.output_group_count", c.o_groups);
-    u32("attention.sliding_window", c.window);
-    f32("attention.layer_norm_rms_epsilon", c.norm_eps);
-    f32("rope.freq_base", c.rope_base);
-    f32("attention.compress_rope_freq_base", c.rope_base_compressed);
-    w.set(a + "rope.scaling.type", GgufValue::make_string(c.yarn ? "yarn" : "none"));
-    if (c.yarn) {
-        f32("rope.scaling.factor", c.yarn_factor);
-        u32("rope.scaling.original_context_length", int64_t(c.yarn_original));
-        f32("rope.scaling.yarn_beta_fast", c.yarn_beta_fast);
-        f32("rope.scaling.yarn_beta_slow", c.yarn_beta_slow);
-    }
-    u32("expert_count", c.n_expert);
-    u32("expert_used_count", c.n_used);
-    u32("expert_shared_count", 1);
-    u32("expert_feed_forward_length", c.expert_ff);
-    u32("expert_gating_func", 4);
-    f32("expert_weights_scale", c.route_scale);
-    w.set(a + "expert_weights_norm", GgufValue::make_bool(true));
-    // V4 Flash hash-routes its leading layers, which is all llama.cpp accepts; dsv4 reads the routing of each
-    // layer from its token→expert table, so test models may mix.
-    int64_t n_hash = 0;
-    for (const SrcLayer & l : c.layers) n_hash += l.hash;
-    u32("hash_layer_count", n_hash);
-    if (c.idx_heads > 0) {
-        u32("attention.indexer.head_count", c.idx_heads);
-        u32("attention.indexer.key_length", c.idx_dim);
-        u32("attention.indexer.top_k", c.idx_top_k);
-    }
-    u32("hyper_connection.count", c.hc);
-    u32("hyper_connection.sinkhorn_iterations", c.hc_iters);
-    f32("hyper_connection.epsilon", c.hc_eps);
-    std::vector<GgufValue> ratios, limits;
-    for (const SrcLayer & l : c.layers) {
-        ratios.push_back(GgufValue::make_i32(int32_t(l.ratio)));
-        limits.push_back(GgufValue::make_f32(float(c.swiglu_limit)));
-    }
-    w.set(a + "attention.compress_ratios", GgufValue::make_array(GgufType::INT32, std::move(ratios)));
-    w.set(a + "swiglu_clamp_exp", GgufValue::make_array(GgufType::FLOAT32, std::move(limits)));
-    if (vocab) {
-        for (const GgufKv & kv : vocab->metadata())
-            if (kv.key.rfind("tokenizer.", 0) == 0) w.set(kv.key, kv.value);
-    }
-}
 
 }  // namespace
 
@@ -664,18 +556,21 @@ ConvertStats convert_checkpoint(const std::string & input_dir, const std::string
                    options.vocab_path, tokens->array.size(), c.vocab);
     }
 
-    Planner planner(st, c, options.type);
+    const std::string name = options.name.empty() ? fs::path(input_dir).filename().string() : options.name;
+    const ModelConfig config = model_config(c, name);
+    Planner planner(st, config, options.mix);
     std::vector<Planned> plan = planner.plan();
 
-    const std::string name = options.name.empty() ? fs::path(input_dir).filename().string() : options.name;
     GgufWriter w(output_path);
-    write_metadata(w, c, options, name, vocab ? &*vocab : nullptr);
+    store_config(w, config);
+    w.set("general.converter", GgufValue::make_string(fmt::format("dsv4-convert --type {}", storage_mix_name(options.mix))));
+    if (vocab)
+        for (const GgufKv & kv : vocab->metadata())
+            if (kv.key.rfind("tokenizer.", 0) == 0) w.set(kv.key, kv.value);
     uint64_t total = 0;
     for (const Planned & p : plan) {
-        w.add_tensor(p.name, p.type, p.ne);
-        int64_t rows = 1;
-        for (size_t i = 1; i < p.ne.size(); ++i) rows *= p.ne[i];
-        total += row_bytes(p.type, p.ne[0]) * uint64_t(rows);
+        w.add_tensor(p.spec.name, p.type, {p.spec.ne[0], p.spec.ne[1], p.spec.ne[2]});
+        total += row_bytes(p.type, p.spec.ne[0]) * uint64_t(p.spec.rows());
     }
 
     ThreadPool pool;
@@ -702,7 +597,7 @@ ConvertStats convert_checkpoint(const std::string & input_dir, const std::string
             w.write_tensor_data(ids.data(), ids.size() * sizeof(int32_t));
             stats.bytes += ids.size() * sizeof(int32_t);
         } else {
-            const int64_t cols = p.ne[0];
+            const int64_t cols = p.spec.ne[0];
             const int64_t rows = p.src.rows;
             const size_t rb = row_bytes(p.type, cols);
             // Rows are converted in parallel batches and written in order: memory stays bounded by the batch.

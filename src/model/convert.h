@@ -8,20 +8,15 @@
 // tables), streaming tensor by tensor so that a checkpoint of any size converts in bounded memory.
 #pragma once
 
-#include "format/types.h"
+#include "model/layout.h"
 
 #include <functional>
 #include <string>
 
 namespace dsv4 {
 
-enum class ConvertType { f32, f16, bf16, q8_0, q2, q4 };
-
-bool parse_convert_type(std::string_view name, ConvertType * out);
-const char * convert_type_name(ConvertType type);
-
 struct ConvertOptions {
-    ConvertType type = ConvertType::f32;
+    StorageMix mix = StorageMix::f32;  // q2: ds4's mix (IQ2_XXS gate/up, Q2_K down); q4: Q4_K experts
     std::string vocab_path;  // a GGUF whose tokenizer.* metadata is copied (empty: none)
     std::string name;        // general.name (empty: the folder's name)
     // Called with (bytes written so far, total bytes) while tensor data is written.

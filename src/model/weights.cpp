@@ -1,5 +1,7 @@
 #include "model/weights.h"
 
+#include "model/layout.h"
+
 #include "format/quant.h"
 #include "util/error.h"
 #include "util/log.h"
@@ -117,105 +119,105 @@ class Binder {
     int64_t expert_limit_ = 0;
 };
 
-// Binds one transformer block whose tensors are named `prefix` + suffix.
-LayerWeights bind_layer(Binder & b, const std::string & prefix, const ModelConfig & c, const LayerConfig & lc) {
-    const int64_t D = c.n_embd, d = c.head_dim, mix = c.hc_mix();
-    auto n = [&](const char * suffix) { return prefix + suffix; };
-    LayerWeights l;
-    l.hc_attn_fn = b.matrix(n("hc_attn_fn.weight"), c.hc * D, mix);
-    l.hc_attn_scale = b.vector(n("hc_attn_scale.weight"), 3);
-    l.hc_attn_base = b.vector(n("hc_attn_base.weight"), mix);
-    l.hc_ffn_fn = b.matrix(n("hc_ffn_fn.weight"), c.hc * D, mix);
-    l.hc_ffn_scale = b.vector(n("hc_ffn_scale.weight"), 3);
-    l.hc_ffn_base = b.vector(n("hc_ffn_base.weight"), mix);
-
-    l.attn_norm = b.vector(n("attn_norm.weight"), D);
-    l.q_a = b.matrix(n("attn_q_a.weight"), D, c.q_lora_rank);
-    l.q_a_norm = b.vector(n("attn_q_a_norm.weight"), c.q_lora_rank);
-    l.q_b = b.matrix(n("attn_q_b.weight"), c.q_lora_rank, c.q_dim());
-    l.kv = b.matrix(n("attn_kv.weight"), D, d);
-    l.kv_norm = b.vector(n("attn_kv_a_norm.weight"), d);
-    l.sinks = b.vector(n("attn_sinks.weight"), c.n_head);
-    l.o_a = b.matrix(n("attn_output_a.weight"), c.q_dim() / c.o_groups, c.o_groups * c.o_lora_rank);
-    l.o_b = b.matrix(n("attn_output_b.weight"), c.o_groups * c.o_lora_rank, D);
-
-    if (lc.kind != LayerKind::sliding) {
-        const int64_t width = (lc.kind == LayerKind::csa ? 2 : 1) * d;
-        l.comp_kv = b.matrix(n("attn_compressor_kv.weight"), D, width);
-        l.comp_gate = b.matrix(n("attn_compressor_gate.weight"), D, width);
-        l.comp_ape = b.matrix(n("attn_compressor_ape.weight"), width, lc.compress_ratio);
-        l.comp_norm = b.vector(n("attn_compressor_norm.weight"), d);
+Tensor * layer_field(LayerWeights & l, Slot slot) {
+    switch (slot) {
+        case Slot::hc_attn_fn: return &l.hc_attn_fn;
+        case Slot::hc_attn_scale: return &l.hc_attn_scale;
+        case Slot::hc_attn_base: return &l.hc_attn_base;
+        case Slot::hc_ffn_fn: return &l.hc_ffn_fn;
+        case Slot::hc_ffn_scale: return &l.hc_ffn_scale;
+        case Slot::hc_ffn_base: return &l.hc_ffn_base;
+        case Slot::attn_norm: return &l.attn_norm;
+        case Slot::q_a: return &l.q_a;
+        case Slot::q_a_norm: return &l.q_a_norm;
+        case Slot::q_b: return &l.q_b;
+        case Slot::kv: return &l.kv;
+        case Slot::kv_norm: return &l.kv_norm;
+        case Slot::sinks: return &l.sinks;
+        case Slot::o_a: return &l.o_a;
+        case Slot::o_b: return &l.o_b;
+        case Slot::comp_kv: return &l.comp_kv;
+        case Slot::comp_gate: return &l.comp_gate;
+        case Slot::comp_ape: return &l.comp_ape;
+        case Slot::comp_norm: return &l.comp_norm;
+        case Slot::idx_q_b: return &l.idx_q_b;
+        case Slot::idx_proj: return &l.idx_proj;
+        case Slot::idx_comp_kv: return &l.idx_comp_kv;
+        case Slot::idx_comp_gate: return &l.idx_comp_gate;
+        case Slot::idx_comp_ape: return &l.idx_comp_ape;
+        case Slot::idx_comp_norm: return &l.idx_comp_norm;
+        case Slot::ffn_norm: return &l.ffn_norm;
+        case Slot::gate_inp: return &l.gate_inp;
+        case Slot::exp_probs_b: return &l.exp_probs_b;
+        case Slot::tid2eid: return &l.tid2eid;
+        case Slot::gate_exps: return &l.gate_exps;
+        case Slot::up_exps: return &l.up_exps;
+        case Slot::down_exps: return &l.down_exps;
+        case Slot::gate_shexp: return &l.gate_shexp;
+        case Slot::up_shexp: return &l.up_shexp;
+        case Slot::down_shexp: return &l.down_shexp;
+        default: return nullptr;
     }
-    if (lc.kind == LayerKind::csa) {
-        const int64_t dI = c.indexer_dim;
-        l.idx_q_b = b.matrix(n("indexer.attn_q_b.weight"), c.q_lora_rank, c.indexer_heads * dI);
-        l.idx_proj = b.matrix(n("indexer.proj.weight"), D, c.indexer_heads);
-        l.idx_comp_kv = b.matrix(n("indexer_compressor_kv.weight"), D, 2 * dI);
-        l.idx_comp_gate = b.matrix(n("indexer_compressor_gate.weight"), D, 2 * dI);
-        l.idx_comp_ape = b.matrix(n("indexer_compressor_ape.weight"), 2 * dI, lc.compress_ratio);
-        l.idx_comp_norm = b.vector(n("indexer_compressor_norm.weight"), dI);
-    }
-
-    l.ffn_norm = b.vector(n("ffn_norm.weight"), D);
-    l.gate_inp = b.matrix(n("ffn_gate_inp.weight"), D, c.n_expert);
-    if (lc.hash_routed) {
-        l.tid2eid = b.table_i32(n("ffn_gate_tid2eid.weight"), c.n_expert_used, c.n_vocab);
-    } else if (b.has(n("exp_probs_b.bias"))) {
-        l.exp_probs_b = b.vector(n("exp_probs_b.bias"), c.n_expert);
-    } else {
-        // ds4 treats the selection bias as optional: no bias is a zero bias.
-        std::vector<float> zeros(static_cast<size_t>(c.n_expert), 0.0f);
-        l.exp_probs_b = b.upload_f32(zeros.data(), c.n_expert);
-    }
-    l.gate_exps = b.matrix(n("ffn_gate_exps.weight"), D, c.expert_ff, c.n_expert);
-    l.up_exps = b.matrix(n("ffn_up_exps.weight"), D, c.expert_ff, c.n_expert);
-    l.down_exps = b.matrix(n("ffn_down_exps.weight"), c.expert_ff, D, c.n_expert);
-    l.gate_shexp = b.matrix(n("ffn_gate_shexp.weight"), D, c.expert_ff * c.n_expert_shared);
-    l.up_shexp = b.matrix(n("ffn_up_shexp.weight"), D, c.expert_ff * c.n_expert_shared);
-    l.down_shexp = b.matrix(n("ffn_down_shexp.weight"), c.expert_ff * c.n_expert_shared, D);
-    return l;
 }
 
-LayerConfig mtp_layer_config(const ModelConfig & c) {
-    // The MTP block attends over its own raw window only, routes by score, and clamps like the last layer.
-    LayerConfig lc = c.layers.back();
-    lc.kind = LayerKind::sliding;
-    lc.compress_ratio = 0;
-    lc.hash_routed = false;
-    return lc;
+Tensor * field(ModelWeights & w, MtpWeights * mtp, const TensorSpec & s) {
+    switch (s.slot) {
+        case Slot::token_embd: return &w.token_embd;
+        case Slot::output_norm: return &w.output_norm;
+        case Slot::output: return &w.output;
+        case Slot::output_hc_fn: return &w.output_hc_fn;
+        case Slot::output_hc_scale: return &w.output_hc_scale;
+        case Slot::output_hc_base: return &w.output_hc_base;
+        case Slot::mtp_eh_proj: return &mtp->eh_proj;
+        case Slot::mtp_e_proj: return &mtp->e_proj;
+        case Slot::mtp_h_proj: return &mtp->h_proj;
+        case Slot::mtp_enorm: return &mtp->enorm;
+        case Slot::mtp_hnorm: return &mtp->hnorm;
+        case Slot::mtp_norm: return &mtp->norm;
+        case Slot::mtp_hc_head_fn: return &mtp->hc_head_fn;
+        case Slot::mtp_hc_head_scale: return &mtp->hc_head_scale;
+        case Slot::mtp_hc_head_base: return &mtp->hc_head_base;
+        default: return layer_field(mtp ? mtp->block : w.layers[size_t(s.layer)], s.slot);
+    }
+}
+
+// Binds every tensor of a layout.
+void bind(Binder & b, const std::vector<TensorSpec> & specs, ModelWeights & w, MtpWeights * mtp) {
+    for (const TensorSpec & s : specs) {
+        Tensor * t = field(w, mtp, s);
+        if (s.slot == Slot::exp_probs_b && !b.has(s.name)) {
+            // ds4 treats the selection bias as optional: no bias is a zero bias.
+            std::vector<float> zeros(static_cast<size_t>(s.ne[0]), 0.0f);
+            *t = b.upload_f32(zeros.data(), s.ne[0]);
+            continue;
+        }
+        switch (s.role) {
+            case Role::vector: *t = b.vector(s.name, s.ne[0]); break;
+            case Role::table: *t = b.table_i32(s.name, s.ne[0], s.ne[1]); break;
+            default: *t = b.matrix(s.name, s.ne[0], s.ne[1], s.ne[2]); break;
+        }
+    }
 }
 
 }  // namespace
 
 ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend & backend, const GgufFile * mtp_file) {
     ModelWeights w;
+    w.layers.resize(size_t(c.n_layer));
     Binder b(file, backend, w);
     b.set_expert_limit(c.n_expert);
-    const int64_t D = c.n_embd;
-    w.token_embd = b.matrix("token_embd.weight", D, c.n_vocab);
-    w.output_hc_fn = b.matrix("output_hc_fn.weight", c.hc * D, c.hc);
-    w.output_hc_scale = b.vector("output_hc_scale.weight", 1);
-    w.output_hc_base = b.vector("output_hc_base.weight", c.hc);
-    w.output_norm = b.vector("output_norm.weight", D);
-    w.output = b.matrix("output.weight", D, c.n_vocab);
-
-    for (int64_t il = 0; il < c.n_layer; ++il) {
-        const std::string prefix = fmt::format("blk.{}.", il);
-        w.layers.push_back(bind_layer(b, prefix, c, c.layers[size_t(il)]));
-    }
+    bind(b, tensor_layout(c), w, nullptr);
 
     // MTP: llama.cpp keeps it in the main file as block n_layer with nextn.* tensors; ds4 ships mtp.0.* apart.
-    const std::string lc_prefix = fmt::format("blk.{}.", c.n_layer);
-    if (b.has(lc_prefix + "nextn.eh_proj.weight")) {
+    const std::string in_file = "blk." + std::to_string(c.n_layer) + ".";
+    if (b.has(in_file + slot_suffix(Slot::mtp_eh_proj))) {
         MtpWeights m;
         m.config = mtp_layer_config(c);
-        m.block = bind_layer(b, lc_prefix, c, m.config);
-        m.eh_proj = b.matrix(lc_prefix + "nextn.eh_proj.weight", 2 * D, D);
-        m.enorm = b.vector(lc_prefix + "nextn.enorm.weight", D);
-        m.hnorm = b.vector(lc_prefix + "nextn.hnorm.weight", D);
-        // llama.cpp's layout stores no HC head of its own for the MTP block: it uses the main model's.
-        const bool own_norm = b.has(lc_prefix + "nextn.shared_head_norm.weight");
-        m.norm = own_norm ? b.vector(lc_prefix + "nextn.shared_head_norm.weight", D) : w.output_norm;
+        bind(b, mtp_layout(c, in_file, true), w, &m);
+        // llama.cpp's layout has no HC head of its own for the MTP block (it uses the main model's) and an
+        // optional norm before the shared LM head.
+        const std::string norm = in_file + "nextn.shared_head_norm.weight";
+        m.norm = b.has(norm) ? b.vector(norm, c.n_embd) : w.output_norm;
         m.hc_head_fn = w.output_hc_fn;
         m.hc_head_scale = w.output_hc_scale;
         m.hc_head_base = w.output_hc_base;
@@ -229,15 +231,7 @@ ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend 
         mb.set_expert_limit(c.n_expert);
         MtpWeights m;
         m.config = mtp_layer_config(c);
-        m.block = bind_layer(mb, "mtp.0.", c, m.config);
-        m.e_proj = mb.matrix("mtp.0.e_proj.weight", D, D);
-        m.h_proj = mb.matrix("mtp.0.h_proj.weight", D, D);
-        m.enorm = mb.vector("mtp.0.enorm.weight", D);
-        m.hnorm = mb.vector("mtp.0.hnorm.weight", D);
-        m.norm = mb.vector("mtp.0.norm.weight", D);
-        m.hc_head_fn = mb.matrix("mtp.0.hc_head_fn.weight", c.hc * D, c.hc);
-        m.hc_head_scale = mb.vector("mtp.0.hc_head_scale.weight", 1);
-        m.hc_head_base = mb.vector("mtp.0.hc_head_base.weight", c.hc);
+        bind(mb, mtp_layout(c, "mtp.0.", false), w, &m);
         w.mtp = std::move(m);
         mb.warn_unused();
     }

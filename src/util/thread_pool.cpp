@@ -1,5 +1,7 @@
 #include "util/thread_pool.h"
 
+#include <chrono>
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -7,11 +9,18 @@
 namespace dsv4 {
 
 static thread_local bool t_inside_pool = false;
+static constexpr std::chrono::microseconds kSpinGrace{2000};
 
-static inline void cpu_relax() {
+// A pause for the first iterations of a spin, then a yield: on an oversubscribed machine (ctest -j on two
+// cores) a spinning worker must hand its core to whoever has real work.
+static inline void cpu_relax(int spin) {
+    if (spin < 4096) {
 #if defined(__x86_64__)
-    _mm_pause();
+        _mm_pause();
 #endif
+    } else {
+        std::this_thread::yield();
+    }
 }
 
 ThreadPool::ThreadPool(int n_threads) {
@@ -39,10 +48,14 @@ void ThreadPool::worker_main(int thread) {
     t_inside_pool = true;
     uint32_t seen = 0;
     for (;;) {
+        // Spin for a while before sleeping: a forward pass issues parallel regions microseconds apart, and a
+        // futex wake-up costs tens of microseconds. Idle workers fall asleep after the grace period.
         uint32_t gen = generation_.load(std::memory_order_acquire);
-        for (int spin = 0; gen == seen && spin < 2000; ++spin) {
-            cpu_relax();
+        const auto deadline = std::chrono::steady_clock::now() + kSpinGrace;
+        for (int spin = 0; gen == seen; ++spin) {
+            cpu_relax(spin);
             gen = generation_.load(std::memory_order_acquire);
+            if ((spin & 255) == 255 && std::chrono::steady_clock::now() > deadline) break;
         }
         if (gen == seen) {
             generation_.wait(seen, std::memory_order_acquire);
@@ -74,9 +87,11 @@ void ThreadPool::run_raw(size_t n_tasks, TaskFn fn, void * ctx) {
     t_inside_pool = false;
 
     uint32_t left = pending_workers_.load(std::memory_order_acquire);
-    for (int spin = 0; left != 0 && spin < 20000; ++spin) {
-        cpu_relax();
+    const auto deadline = std::chrono::steady_clock::now() + kSpinGrace;
+    for (int spin = 0; left != 0; ++spin) {
+        cpu_relax(spin);
         left = pending_workers_.load(std::memory_order_acquire);
+        if ((spin & 255) == 255 && std::chrono::steady_clock::now() > deadline) break;
     }
     while (left != 0) {
         pending_workers_.wait(left, std::memory_order_acquire);

@@ -85,7 +85,7 @@ const Fixture & fixture(const std::string & name) {
     }
     f.gguf = (fs::temp_directory_path() / ("dsv4_oracle_" + name + "_" + std::to_string(::getpid()) + ".gguf")).string();
     ConvertOptions opt;
-    opt.type = ConvertType::f32;
+    opt.mix = StorageMix::f32;
     convert_checkpoint(f.dir, f.gguf, opt);
     temp.paths.push_back(f.gguf);
     return cache.emplace(name, std::move(f)).first->second;
@@ -352,7 +352,7 @@ std::string dequantized_twin(const std::string & path) {
 // dequantized twin: the dot-product kernels themselves, exact with f32 activations.
 struct QuantCase {
     const char * fixture;
-    ConvertType type;
+    StorageMix type;
     double max_mean;  // bound on mean |logit error| against the oracle
     double min_top1;  // bound on top-1 agreement
 };
@@ -362,9 +362,9 @@ class Quantized : public ::testing::TestWithParam<QuantCase> {};
 TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
     const QuantCase q = GetParam();
     Fixture f = fixture(q.fixture);
-    const std::string path = f.gguf + "." + convert_type_name(q.type) + ".gguf";
+    const std::string path = f.gguf + "." + storage_mix_name(q.type) + ".gguf";
     ConvertOptions opt;
-    opt.type = q.type;
+    opt.mix = q.type;
     convert_checkpoint(f.dir, path, opt);
     const std::string twin_path = dequantized_twin(path);
 
@@ -383,7 +383,7 @@ TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
     const std::vector<float> q8act = run(path, true), f32act = run(path, false), twin = run(twin_path, false);
     for (const auto & [what, got] : {std::pair{"8-bit activations", &q8act}, std::pair{"f32 activations", &f32act}}) {
         const Distance d = distance(f.logits, *got);
-        std::printf("%s %s, %s: mean |logit err| %.3f, top-1 %.1f %%\n", q.fixture, convert_type_name(q.type), what,
+        std::printf("%s %s, %s: mean |logit err| %.3f, top-1 %.1f %%\n", q.fixture, storage_mix_name(q.type), what,
                     d.mean, 100 * d.top1);
         EXPECT_LT(d.mean, q.max_mean) << what;
         EXPECT_GT(d.top1, q.min_top1) << what;
@@ -397,11 +397,11 @@ TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, Quantized,
-                         ::testing::Values(QuantCase{"wide-seed1", ConvertType::q8_0, 0.15, 0.90},
-                                           QuantCase{"wide-seed1", ConvertType::q4, 0.40, 0.70},
-                                           QuantCase{"wide-seed1", ConvertType::q2, 1.30, 0.30},
-                                           QuantCase{"wide-seed1", ConvertType::bf16, 0.02, 0.97},
-                                           QuantCase{"hf-small-seed1", ConvertType::q8_0, 0.35, 0.75},
-                                           QuantCase{"hf-small-seed1", ConvertType::q2, 0.35, 0.75}));
+                         ::testing::Values(QuantCase{"wide-seed1", StorageMix::q8_0, 0.15, 0.90},
+                                           QuantCase{"wide-seed1", StorageMix::q4, 0.40, 0.70},
+                                           QuantCase{"wide-seed1", StorageMix::q2, 1.30, 0.30},
+                                           QuantCase{"wide-seed1", StorageMix::bf16, 0.02, 0.97},
+                                           QuantCase{"hf-small-seed1", StorageMix::q8_0, 0.35, 0.75},
+                                           QuantCase{"hf-small-seed1", StorageMix::q2, 0.35, 0.75}));
 
 }  // namespace
