@@ -49,14 +49,25 @@ struct GgufValue {
     std::vector<GgufValue> array;
     std::shared_ptr<std::string> owned;  // backing store for strings made by the helpers below
 
+    static GgufValue make_u8(uint8_t v);
+    static GgufValue make_i8(int8_t v);
+    static GgufValue make_u16(uint16_t v);
+    static GgufValue make_i16(int16_t v);
     static GgufValue make_u32(uint32_t v);
     static GgufValue make_i32(int32_t v);
     static GgufValue make_u64(uint64_t v);
+    static GgufValue make_i64(int64_t v);
     static GgufValue make_f32(float v);
+    static GgufValue make_f64(double v);
     static GgufValue make_bool(bool v);
     static GgufValue make_string(std::string v);
+    // Throws when an element's type is not `elem_type`.
     static GgufValue make_array(GgufType elem_type, std::vector<GgufValue> elems);
 };
+
+// Arrays may nest this deep (an array directly under a key is level 1); deeper files are rejected, so a
+// crafted file cannot recurse without bound.
+inline constexpr int kGgufMaxArrayDepth = 8;
 
 struct GgufKv {
     std::string key;
@@ -113,7 +124,16 @@ class GgufFile {
     const MappedFile * mapping() const { return file_.get(); }
 
   private:
+    // Lets find()/find_tensor() look up a string_view without building a std::string.
+    struct StringHash {
+        using is_transparent = void;
+        size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+    };
+    using NameIndex = std::unordered_map<std::string, size_t, StringHash, std::equal_to<>>;
+
     void parse_all();
+    [[noreturn]] void key_error(std::string_view key, std::string_view problem) const;
+    const GgufValue & require(std::string_view key) const;
 
     std::string path_;
     std::shared_ptr<MappedFile> file_;
@@ -123,9 +143,9 @@ class GgufFile {
     uint64_t alignment_ = 32;
     uint64_t data_offset_ = 0;
     std::vector<GgufKv> kvs_;
-    std::unordered_map<std::string, size_t> kv_index_;
+    NameIndex kv_index_;
     std::vector<GgufTensorInfo> tensors_;
-    std::unordered_map<std::string, size_t> tensor_index_;
+    NameIndex tensor_index_;
 };
 
 // Streaming, atomic GGUF v3 writer. Declare metadata and every tensor first, then write tensor data in
