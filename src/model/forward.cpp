@@ -49,6 +49,7 @@ struct Model::Workspace {
     Tensor sh_up;      // F32 [n, I]
     Tensor routed;     // F32 [n, D]
     Tensor logits;     // F32 [n, V]
+    Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
 
     // A tensor [ne0, ne1, ne2, n_rows]; the token axis is always the outermost (ne[3]).
     Tensor make(Backend & b, GgmlType type, int64_t n_rows, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1) {
@@ -117,6 +118,7 @@ Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numeric
     w.sh_up = w.make(backend, GgmlType::F32, n, c.expert_ff);
     w.routed = w.make(backend, GgmlType::F32, n, D);
     w.logits = w.make(backend, GgmlType::F32, n, c.n_vocab);
+    if (weights_.mtp && weights_.mtp->eh_proj) w.mtp_cat = w.make(backend, GgmlType::F32, n, 2 * D, c.hc);
 }
 
 Model::~Model() = default;
@@ -126,7 +128,7 @@ std::unique_ptr<KvState> Model::new_state(int64_t n_ctx) const {
 }
 
 bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
-                 const std::function<bool(int64_t)> & progress) {
+                 const std::function<bool(int64_t)> & progress, float * hidden) {
     const int64_t n_total = int64_t(tokens.size());
     DSV4_CHECK(state.n_past() + n_total <= state.n_ctx(), "{} tokens after {} exceed the context of {}", n_total,
                state.n_past(), state.n_ctx());
@@ -139,14 +141,16 @@ bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mo
                                       : last_chunk             ? mode
                                                                : LogitsMode::none;
         float * chunk_logits = mode == LogitsMode::all ? logits + done * config_.n_vocab : logits;
-        eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits);
+        float * chunk_hidden = hidden && mode == LogitsMode::all ? hidden + done * config_.hc * config_.n_embd : hidden;
+        eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits, chunk_mode == LogitsMode::none ? nullptr : chunk_hidden);
         done += n;
         if (progress && !progress(done) && !last_chunk) return false;
     }
     return true;
 }
 
-void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits) {
+void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
+                       float * hidden) {
     const ModelConfig & c = config_;
     const ModelWeights & W = weights_;
     Workspace & w = *ws_;
@@ -156,35 +160,13 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     Tensor tok = first(w.tokens, n);
     b.write(tok, tokens, size_t(n) * sizeof(int32_t));
     Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
-    Tensor x = first(w.x, n), xn = first(w.xn, n), out = first(w.out, n);
-    Tensor post = first(w.post, n), comb = first(w.comb, n);
+    Tensor x = first(w.x, n);
 
     b.get_rows(W.token_embd, tok, x);
     trace("embed", -1, x);
     b.hc_expand(x, streams);
-    for (int64_t il = 0; il < c.n_layer; ++il) {
-        const LayerWeights & L = W.layers[size_t(il)];
-        // Attention sublayer: HCPre mixes the streams into one input; HCPost writes the output back into all
-        // streams (there is no other residual path).
-        b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x,
-                 post, comb);
-        b.rms_norm(x, L.attn_norm, xn, c.norm_eps);
-        trace("attn_in", il, xn);
-        attention(il, state, pos0, n);
-        trace("attn_out", il, out);
-        b.hc_post(streams, out, post, comb, streams2);
-        std::swap(streams, streams2);
-
-        b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
-                 comb);
-        b.rms_norm(x, L.ffn_norm, xn, c.norm_eps);
-        trace("mlp_in", il, xn);
-        ffn(il, n);
-        trace("mlp_out", il, out);
-        b.hc_post(streams, out, post, comb, streams2);
-        std::swap(streams, streams2);
-        trace("out", il, streams);
-    }
+    for (int64_t il = 0; il < c.n_layer; ++il)
+        block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, state.ring(), pos0, n, streams, streams2);
     state.set_n_past(pos0 + n);
     if (mode == LogitsMode::none) return;
 
@@ -192,21 +174,104 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
     const int64_t rows = n - first_row;
     Tensor s = make_tensor(GgmlType::F32, streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
-    Tensor z = first(w.x, rows);
-    b.hc_head(s, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, c.hc_eps, c.norm_eps, z);
+    if (hidden) b.read(s, hidden, s.n_bytes());
+    head(s, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, rows, logits);
+}
+
+void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
+                 const Tensor & norm, int64_t rows, float * logits) {
+    const ModelConfig & c = config_;
+    Backend & b = backend_;
+    Tensor z = first(ws_->x, rows);
+    b.hc_head(streams, hc_fn, hc_scale, hc_base, c.hc_eps, c.norm_eps, z);
     trace("hc_head_out", -1, z);
-    b.rms_norm(z, W.output_norm, z, c.norm_eps);
+    b.rms_norm(z, norm, z, c.norm_eps);
     trace("final_norm_out", -1, z);
-    Tensor lg = first(w.logits, rows);
-    b.matmul(W.output, z, lg);
+    Tensor lg = first(ws_->logits, rows);
+    b.matmul(weights_.output, z, lg);
     b.read(lg, logits, size_t(rows * c.n_vocab) * sizeof(float));
 }
 
-void Model::attention(int64_t il, KvState & state, int64_t pos0, int64_t n) {
+void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> next_tokens, const float * hidden,
+                     float * logits, float * hidden_out) {
+    DSV4_CHECK(weights_.mtp && state.has_mtp(), "the model has no MTP block");
+    const int64_t n = int64_t(next_tokens.size());
+    DSV4_CHECK(n >= 1 && n <= n_ubatch_, "MTP evaluates 1 to {} rows at once (got {})", n_ubatch_, n);
+    DSV4_CHECK(pos0 >= 0 && pos0 + n <= state.n_ctx(), "MTP positions [{}, {}) outside the context of {}", pos0,
+               pos0 + n, state.n_ctx());
+    for (int32_t t : next_tokens)
+        DSV4_CHECK(t >= 0 && t < config_.n_vocab, "token id {} outside the vocabulary [0, {})", t, config_.n_vocab);
     const ModelConfig & c = config_;
-    const LayerConfig & lc = c.layers[size_t(il)];
-    const LayerWeights & L = weights_.layers[size_t(il)];
-    LayerState & S = state.layer(il);
+    const MtpWeights & M = *weights_.mtp;
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    const int64_t D = c.n_embd;
+
+    Tensor tok = first(w.tokens, n);
+    b.write(tok, next_tokens.data(), size_t(n) * sizeof(int32_t));
+    Tensor e = first(w.x, n), en = first(w.xn, n);
+    b.get_rows(weights_.token_embd, tok, e);
+    b.rms_norm(e, M.enorm, en, c.norm_eps);
+    Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
+    b.write(streams, hidden, streams.n_bytes());
+    Tensor hn = reshape(streams2, D, c.hc * n);
+    b.rms_norm(reshape(streams, D, c.hc * n), M.hnorm, hn, c.norm_eps);
+    // X0_h = e_proj·enorm(E[x]) + h_proj·hnorm(H_h) for each stream h.
+    if (M.eh_proj) {
+        // llama.cpp fuses the two projections: eh_proj · [enorm(E[x]); hnorm(H_h)].
+        Tensor cat = first(w.mtp_cat, n);
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t h = 0; h < c.hc; ++h) {
+                const size_t row = size_t(t * c.hc + h) * 2 * size_t(D) * sizeof(float);
+                b.copy(cat, en, size_t(D) * sizeof(float), row, size_t(t * D) * sizeof(float));
+                b.copy(cat, hn, size_t(D) * sizeof(float), row + size_t(D) * sizeof(float),
+                       size_t((t * c.hc + h) * D) * sizeof(float));
+            }
+        b.matmul(M.eh_proj, cat, reshape(streams, D, c.hc * n));
+    } else {
+        Tensor ep = first(w.out, n);
+        b.matmul(M.e_proj, en, ep);
+        b.matmul(M.h_proj, hn, reshape(streams, D, c.hc * n));
+        b.hc_expand(ep, streams2);
+        b.add(streams, streams2, streams);
+    }
+    block(M.block, M.config, state.mtp(), c.n_layer, state.ring(), pos0, n, streams, streams2);
+    if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
+    head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n, logits);
+}
+
+void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
+                  int64_t pos0, int64_t n, Tensor & streams, Tensor & streams2) {
+    const ModelConfig & c = config_;
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    Tensor x = first(w.x, n), xn = first(w.xn, n), out = first(w.out, n);
+    Tensor post = first(w.post, n), comb = first(w.comb, n);
+    // Attention sublayer: HCPre mixes the streams into one input; HCPost writes the output back into all streams
+    // (there is no other residual path).
+    b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
+             comb);
+    b.rms_norm(x, L.attn_norm, xn, c.norm_eps);
+    trace("attn_in", il, xn);
+    attention(L, lc, S, il, ring, pos0, n);
+    trace("attn_out", il, out);
+    b.hc_post(streams, out, post, comb, streams2);
+    std::swap(streams, streams2);
+
+    b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
+             comb);
+    b.rms_norm(x, L.ffn_norm, xn, c.norm_eps);
+    trace("mlp_in", il, xn);
+    ffn(L, lc, il, n);
+    trace("mlp_out", il, out);
+    b.hc_post(streams, out, post, comb, streams2);
+    std::swap(streams, streams2);
+    trace("out", il, streams);
+}
+
+void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
+                      int64_t pos0, int64_t n) {
+    const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
     const RopeSpec & rope = rope_[int(lc.kind)];
@@ -230,7 +295,6 @@ void Model::attention(int64_t il, KvState & state, int64_t pos0, int64_t n) {
     b.rms_norm(kv, L.kv_norm, kv, c.norm_eps);
     b.rope(reshape(kv, d, 1, n), rope, pos0, 1, false);
     if (official) b.fp8_roundtrip(kv, d - c.n_rot);
-    const int64_t ring = state.ring();
     for (int64_t t = 0; t < n;) {
         const int64_t slot = (pos0 + t) % ring;
         const int64_t run = std::min(n - t, ring - slot);
@@ -306,10 +370,8 @@ void Model::attention(int64_t il, KvState & state, int64_t pos0, int64_t n) {
     b.matmul(L.o_b, o_low, first(w.out, n));
 }
 
-void Model::ffn(int64_t il, int64_t n) {
+void Model::ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n) {
     const ModelConfig & c = config_;
-    const LayerConfig & lc = c.layers[size_t(il)];
-    const LayerWeights & L = weights_.layers[size_t(il)];
     Workspace & w = *ws_;
     Backend & b = backend_;
     Tensor xn = first(w.xn, n);

@@ -55,14 +55,32 @@ class Model {
     // n_vocab floats (mode last) or tokens.size()·n_vocab (mode all). `progress(done)` is called after each chunk
     // with the number of tokens done; when it returns false, eval stops there (the state covers the finished
     // chunks) and returns false.
+    // `hidden`, when given, receives the final hyper-connection streams of the same rows as the logits
+    // ([rows, hc, D], before the HC head): what the MTP head continues from.
     bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
-              const std::function<bool(int64_t done)> & progress = {});
+              const std::function<bool(int64_t done)> & progress = {}, float * hidden = nullptr);
+
+    // The MTP draft head (model-spec.md §8, vLLM's pairing): row i combines the final streams of position
+    // pos0 + i (hidden, host F32 [n, hc, D]) with the embedding of the token that follows that position
+    // (next_tokens[i]), runs the MTP block at position pos0 + i over its own sliding window (state.mtp(): rows of
+    // earlier positions must have been written by earlier calls), and writes the draft logits [n, V] (a guess for
+    // the token after next) and the block's output streams [n, hc, D] (the next draft step's hidden; may be null).
+    void mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> next_tokens, const float * hidden,
+                  float * logits, float * hidden_out);
 
   private:
     struct Workspace;
-    void eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits);
-    void attention(int64_t il, KvState & state, int64_t pos0, int64_t n);
-    void ffn(int64_t il, int64_t n);
+    void eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
+                    float * hidden);
+    // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch); il names it in
+    // traces. The main layers and the MTP block both run through here.
+    void block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring, int64_t pos0,
+               int64_t n, Tensor & streams, Tensor & streams2);
+    void attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
+                   int64_t pos0, int64_t n);
+    void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
+    void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
+              const Tensor & norm, int64_t rows, float * logits);
     void trace(std::string_view name, int64_t layer, const Tensor & t) const {
         if (trace_) trace_(name, layer, t);
     }

@@ -182,19 +182,27 @@ class CpuBackend final : public Backend {
     }
 
     // ---- official numerics -----------------------------------------------------------------------------------
+    // V4's widths are whole blocks (448 = 7 × 64 KV channels, 128-wide indexer rows); a test model's trailing
+    // partial block is rounded as a block of its own.
     void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
         const int64_t width = x.ne[0];
+        const int64_t full = n_dims / 64 * 64;
         pool_.parallel_for(size_t(x.rows()), 16, [&](size_t b, size_t e, int) {
-            for (size_t r = b; r < e; ++r) dsv4::fp8_roundtrip(x.f32() + r * width, n_dims, 64);
+            for (size_t r = b; r < e; ++r) {
+                float * row = x.f32() + r * width;
+                if (full > 0) dsv4::fp8_roundtrip(row, full, 64);
+                if (n_dims > full) dsv4::fp8_roundtrip(row + full, n_dims - full, n_dims - full);
+            }
         });
     }
 
     void hadamard_fp4_roundtrip(const Tensor & x) override {
         const int64_t width = x.ne[0];
+        const int64_t block = std::min<int64_t>(width, 32);
         pool_.parallel_for(size_t(x.rows()), 16, [&](size_t b, size_t e, int) {
             for (size_t r = b; r < e; ++r) {
                 hadamard_inplace(x.f32() + r * width, width);
-                dsv4::fp4_roundtrip(x.f32() + r * width, width, 32);
+                dsv4::fp4_roundtrip(x.f32() + r * width, width, block);
             }
         });
     }
