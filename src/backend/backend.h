@@ -9,6 +9,9 @@
 //     as y = W·x to each activation row. Routed experts are [in, out, n_expert] (expert e is one matrix).
 //   - Ops are asynchronous on a backend with a device: they are ordered, and results reach the host only through
 //     read(). Shapes are checked by the caller (model/forward); ops assert them only in debug builds.
+//   - Token positions come as an I32 tensor in backend memory (positions[t] for row t), never as host integers,
+//     and no op's launch depends on a position: one decode step is the same op sequence at every position, so a
+//     device backend can capture it once and replay it.
 #pragma once
 
 #include "format/types.h"
@@ -55,6 +58,18 @@ struct RopeSpec {
     int n_rot = 0;
 };
 
+// What happens to a compressed row when its block completes, before it is stored: RMSNorm, RoPE at the block's
+// first position b·R, and the official numerics' rounding (FP8 for attention rows, Hadamard + FP4 for indexer keys).
+enum class RowRounding { none, fp8, hadamard_fp4 };
+
+struct CompressedRowFinish {
+    Tensor norm;          // F32 [width]
+    float eps = 1e-6f;
+    RopeSpec rope;
+    RowRounding rounding = RowRounding::none;
+    int64_t fp8_dims = 0;  // fp8: channels [0, fp8_dims) are rounded (the rotated tail is not)
+};
+
 // Where the compressed rows that a query attends to come from (attention and the indexer).
 struct CompressedRows {
     Tensor rows;              // F32 [capacity, width]: row b pools tokens [bR, bR + R); null when the layer has none
@@ -91,8 +106,8 @@ class Backend {
     // y = x / sqrt(mean(x^2) + eps) (· gamma when given), per row of width ne[0]. In place is allowed.
     virtual void rms_norm(const Tensor & x, const Tensor & gamma, const Tensor & y, float eps) = 0;
     // In place on x [n, heads, width]: rotates the last spec.n_rot channels of every head of row t by position
-    // pos0 + t·pos_stride (inverse: by the negative angle).
-    virtual void rope(const Tensor & x, const RopeSpec & spec, int64_t pos0, int64_t pos_stride, bool inverse) = 0;
+    // positions[t] (inverse: by the negative angle).
+    virtual void rope(const Tensor & x, const RopeSpec & spec, const Tensor & positions, bool inverse) = 0;
     virtual void add(const Tensor & a, const Tensor & b, const Tensor & out) = 0;  // element-wise; out may alias
     // out = silu(min(gate, limit)) · clamp(up, -limit, limit), element-wise [n, width]. limit <= 0: no clamp.
     virtual void swiglu(const Tensor & gate, const Tensor & up, const Tensor & out, float limit) = 0;
@@ -123,25 +138,30 @@ class Backend {
                          float eps_hc, float eps_norm, const Tensor & z) = 0;
 
     // ---- attention -------------------------------------------------------------------------------------------
-    // Adds ape[(pos0 + t) mod R] to score row t, appends the chunk's rows to the compressor state and pools every
-    // block of R tokens that completes inside the chunk into out [m, width], m = floor((pos0+n)/R) - floor(pos0/R).
+    // Writes row t of rows [n, d] into ring [ring_rows, d] at slot positions[t] mod ring_rows.
+    virtual void store_rows(const Tensor & ring, const Tensor & rows, const Tensor & positions) = 0;
+    // Compressor: for token t (position p = positions[t], consecutive), adds ape[p mod R] to its score row, puts
+    // its projections into the open block of the state, and when p mod R = R - 1 pools the block into one row
+    // per channel (softmax over the candidates' scores), finishes it (`finish`) and stores it as row p / R of
+    // `store` [capacity, width].
     //   kv, score: F32 [n, c·width] (c = 2 with overlap, else 1); ape [c·width, R] (any float type)
     //   state_kv, state_score: F32 [c·R, c·width]. Without overlap, row j holds token j of the open block. With
     //   overlap, rows [0, R) hold the previous complete block and rows [R, 2R) the open one; a block's row pools
     //   the first half (channels [0, width)) of the previous block's tokens and the second half of its own.
     //   Unwritten state is (value 0, score -inf).
     virtual void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape,
-                                   const Tensor & state_kv, const Tensor & state_score, int64_t pos0, int64_t ratio,
-                                   bool overlap, const Tensor & out) = 0;
-    // Lightning indexer: for query t at position pos0 + t, score_b = Σ_h w[t,h]·relu(q[t,h]·keys[b])·key_scale over
-    // the visible rows b < floor((pos + 1) / R); writes the top_k best row ids (ascending), -1 padded, to
-    // selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I].
-    virtual void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, int64_t pos0, int64_t ratio,
-                                float key_scale, const Tensor & selected) = 0;
-    // Sink attention of queries q [n, H, d] (positions pos0 + t) over the raw window (positions (pos - window,
-    // pos], stored at slot pos mod ring in raw [ring, d]) and the compressed rows; K = V; one softmax per head
-    // with the sink logit sinks[h] in the denominator only. out [n, H, d].
-    virtual void attention(const Tensor & q, const Tensor & raw, int64_t pos0, int64_t window,
+                                   const Tensor & state_kv, const Tensor & state_score, const Tensor & positions,
+                                   int64_t ratio, bool overlap, const CompressedRowFinish & finish,
+                                   const Tensor & store) = 0;
+    // Lightning indexer: for query t at position p = positions[t], score_b = Σ_h w[t,h]·relu(q[t,h]·keys[b])·
+    // key_scale over the visible rows b < floor((p + 1) / R); writes the top_k best row ids (ascending), -1
+    // padded, to selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I].
+    virtual void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, const Tensor & positions,
+                                int64_t ratio, float key_scale, const Tensor & selected) = 0;
+    // Sink attention of queries q [n, H, d] (query t at position p = positions[t]) over the raw window (positions
+    // (p - window, p], stored at slot position mod ring in raw [ring, d]) and the compressed rows; K = V; one
+    // softmax per head with the sink logit sinks[h] in the denominator only. out [n, H, d].
+    virtual void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
                            const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) = 0;
 
     // ---- mixture of experts ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ struct Model::Workspace {
     std::vector<std::unique_ptr<BackendBuffer>> buffers;
 
     Tensor tokens;     // I32 [n]
+    Tensor positions;  // I32 [n]: absolute position of each token of the chunk
     Tensor streams;    // F32 [n, hc, D]: the hyper-connection state
     Tensor streams2;   // F32 [n, hc, D]: HCPost output, swapped with streams
     Tensor x;          // F32 [n, D]: sublayer input (HCPre output)
@@ -35,12 +36,10 @@ struct Model::Workspace {
     Tensor o_low;      // F32 [n, G·o_lora]
     Tensor comp_kv;    // F32 [n, 2d]: compressor projections
     Tensor comp_score; // F32 [n, 2d]
-    Tensor comp_rows;  // F32 [n, d]: rows emitted by this chunk (at most n / R + 1 <= n)
     Tensor idx_q;      // F32 [n, H_I, d_I]
     Tensor idx_w;      // F32 [n, H_I]
     Tensor idx_kv;     // F32 [n, 2·d_I]
     Tensor idx_score;  // F32 [n, 2·d_I]
-    Tensor idx_rows;   // F32 [n, d_I]
     Tensor selected;   // I32 [n, top_k]
     Tensor router;     // F32 [n, E]: router logits
     Tensor experts;    // I32 [n, k]
@@ -88,6 +87,7 @@ Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numeric
     }
     const int64_t n = n_ubatch, D = c.n_embd, d = c.head_dim;
     w.tokens = w.make(backend, GgmlType::I32, n, 1);
+    w.positions = w.make(backend, GgmlType::I32, n, 1);
     w.streams = w.make(backend, GgmlType::F32, n, D, c.hc);
     w.streams2 = w.make(backend, GgmlType::F32, n, D, c.hc);
     w.x = w.make(backend, GgmlType::F32, n, D);
@@ -102,13 +102,11 @@ Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numeric
     w.o_low = w.make(backend, GgmlType::F32, n, c.o_groups * c.o_lora_rank);
     w.comp_kv = w.make(backend, GgmlType::F32, n, 2 * d);
     w.comp_score = w.make(backend, GgmlType::F32, n, 2 * d);
-    w.comp_rows = w.make(backend, GgmlType::F32, n, d);
     if (c.indexer_dim > 0) {
         w.idx_q = w.make(backend, GgmlType::F32, n, c.indexer_dim, c.indexer_heads);
         w.idx_w = w.make(backend, GgmlType::F32, n, c.indexer_heads);
         w.idx_kv = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
         w.idx_score = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
-        w.idx_rows = w.make(backend, GgmlType::F32, n, c.indexer_dim);
         w.selected = w.make(backend, GgmlType::I32, n, std::max<int64_t>(c.indexer_top_k, 1));
     }
     w.router = w.make(backend, GgmlType::F32, n, c.n_expert);
@@ -159,6 +157,7 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
 
     Tensor tok = first(w.tokens, n);
     b.write(tok, tokens, size_t(n) * sizeof(int32_t));
+    write_positions(pos0, n);
     Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
     Tensor x = first(w.x, n);
 
@@ -166,7 +165,7 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     trace("embed", -1, x);
     b.hc_expand(x, streams);
     for (int64_t il = 0; il < c.n_layer; ++il)
-        block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, state.ring(), pos0, n, streams, streams2);
+        block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2);
     state.set_n_past(pos0 + n);
     if (mode == LogitsMode::none) return;
 
@@ -176,6 +175,12 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     Tensor s = make_tensor(GgmlType::F32, streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
     if (hidden) b.read(s, hidden, s.n_bytes());
     head(s, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, rows, logits);
+}
+
+void Model::write_positions(int64_t pos0, int64_t n) {
+    std::vector<int32_t> pos(static_cast<size_t>(n));
+    for (int64_t t = 0; t < n; ++t) pos[size_t(t)] = int32_t(pos0 + t);
+    backend_.write(first(ws_->positions, n), pos.data(), pos.size() * sizeof(int32_t));
 }
 
 void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
@@ -209,6 +214,7 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
 
     Tensor tok = first(w.tokens, n);
     b.write(tok, next_tokens.data(), size_t(n) * sizeof(int32_t));
+    write_positions(pos0, n);
     Tensor e = first(w.x, n), en = first(w.xn, n);
     b.get_rows(weights_.token_embd, tok, e);
     b.rms_norm(e, M.enorm, en, c.norm_eps);
@@ -235,13 +241,13 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
         b.hc_expand(ep, streams2);
         b.add(streams, streams2, streams);
     }
-    block(M.block, M.config, state.mtp(), c.n_layer, state.ring(), pos0, n, streams, streams2);
+    block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2);
     if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
     head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n, logits);
 }
 
-void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
-                  int64_t pos0, int64_t n, Tensor & streams, Tensor & streams2) {
+void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
+                  int64_t n, Tensor & streams, Tensor & streams2) {
     const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
@@ -253,7 +259,7 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
              comb);
     b.rms_norm(x, L.attn_norm, xn, c.norm_eps);
     trace("attn_in", il, xn);
-    attention(L, lc, S, il, ring, pos0, n);
+    attention(L, lc, S, il, pos0, n);
     trace("attn_out", il, out);
     b.hc_post(streams, out, post, comb, streams2);
     std::swap(streams, streams2);
@@ -269,8 +275,8 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
     trace("out", il, streams);
 }
 
-void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
-                      int64_t pos0, int64_t n) {
+void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
+                      int64_t n) {
     const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
@@ -286,22 +292,17 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     Tensor q = first(w.q, n);
     b.matmul(L.q_b, cq, reshape(q, c.q_dim(), n));
     b.rms_norm(q, Tensor{}, q, c.norm_eps);
-    b.rope(q, rope, pos0, 1, false);
+    const Tensor pos = first(w.positions, n);
+    b.rope(q, rope, pos, false);
 
     // The one K=V row per token, rotated like the queries, written into the raw ring before attending so that
     // a token sees itself and the earlier tokens of its chunk.
     Tensor kv = first(w.kv, n);
     b.matmul(L.kv, xn, kv);
     b.rms_norm(kv, L.kv_norm, kv, c.norm_eps);
-    b.rope(reshape(kv, d, 1, n), rope, pos0, 1, false);
+    b.rope(reshape(kv, d, 1, n), rope, pos, false);
     if (official) b.fp8_roundtrip(kv, d - c.n_rot);
-    for (int64_t t = 0; t < n;) {
-        const int64_t slot = (pos0 + t) % ring;
-        const int64_t run = std::min(n - t, ring - slot);
-        b.copy(S.raw, kv, size_t(run * d) * sizeof(float), size_t(slot * d) * sizeof(float),
-               size_t(t * d) * sizeof(float));
-        t += run;
-    }
+    b.store_rows(S.raw, kv, pos);
 
     CompressedRows comp;
     if (lc.kind != LayerKind::sliding) {
@@ -309,21 +310,16 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
         const bool overlap = lc.kind == LayerKind::csa;
         const int64_t width = (overlap ? 2 : 1) * d;
         const int64_t b0 = pos0 / R;
-        const int64_t m = (pos0 + n) / R - b0;  // rows completed by this chunk
+        const int64_t m = (pos0 + n) / R - b0;  // rows completed by this chunk (traces only)
         Tensor ckv = make_tensor(GgmlType::F32, w.comp_kv.data, width, n);
         Tensor cscore = make_tensor(GgmlType::F32, w.comp_score.data, width, n);
         b.matmul(L.comp_kv, xn, ckv);
         b.matmul(L.comp_gate, xn, cscore);
-        Tensor rows = first(w.comp_rows, m);
-        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos0, R, overlap, rows);
-        if (m > 0) {
-            // A compressed row is normed and rotated at its block's first position b·R.
-            b.rms_norm(rows, L.comp_norm, rows, c.norm_eps);
-            b.rope(reshape(rows, d, 1, m), rope, b0 * R, R, false);
-            if (official) b.fp8_roundtrip(rows, d - c.n_rot);
-            b.copy(S.comp, rows, size_t(m * d) * sizeof(float), size_t(b0 * d) * sizeof(float));
-            trace("compressed_kv", il, rows);
-        }
+        // A compressed row is normed and rotated at its block's first position b·R, then rounded.
+        const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope,
+                                         official ? RowRounding::fp8 : RowRounding::none, d - c.n_rot};
+        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, overlap, finish, S.comp);
+        if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
         comp.rows = S.comp;
         comp.ratio = R;
 
@@ -332,19 +328,14 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
             Tensor ikv = first(w.idx_kv, n), iscore = first(w.idx_score, n);
             b.matmul(L.idx_comp_kv, xn, ikv);
             b.matmul(L.idx_comp_gate, xn, iscore);
-            Tensor irows = first(w.idx_rows, m);
-            b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos0, R, true, irows);
-            if (m > 0) {
-                b.rms_norm(irows, L.idx_comp_norm, irows, c.norm_eps);
-                b.rope(reshape(irows, dI, 1, m), rope, b0 * R, R, false);
-                if (official) b.hadamard_fp4_roundtrip(irows);
-                b.copy(S.idx_keys, irows, size_t(m * dI) * sizeof(float), size_t(b0 * dI) * sizeof(float));
-                trace("indexer_kv", il, irows);
-            }
+            const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
+                                              official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
+            b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos, R, true, ifinish, S.idx_keys);
+            if (m > 0) trace("indexer_kv", il, row_view(S.idx_keys, b0, m));
             // Indexer queries come from the normed low-rank query, unnormalised, rotated at the token position.
             Tensor iq = first(w.idx_q, n);
             b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
-            b.rope(iq, rope, pos0, 1, false);
+            b.rope(iq, rope, pos, false);
             if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
             Tensor iw = first(w.idx_w, n);
             b.matmul(L.idx_proj, xn, iw);
@@ -353,7 +344,7 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
             } else {
                 Tensor sel = first(w.selected, n);
                 // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
-                b.indexer_select(iq, iw, S.idx_keys, pos0, R, 1.0f / std::sqrt(float(dI) * float(HI)), sel);
+                b.indexer_select(iq, iw, S.idx_keys, pos, R, 1.0f / std::sqrt(float(dI) * float(HI)), sel);
                 comp.selected = sel;
                 trace("indexer_topk", il, sel);
             }
@@ -361,10 +352,10 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     }
 
     Tensor attn = first(w.attn, n);
-    b.attention(q, S.raw, pos0, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn);
+    b.attention(q, S.raw, pos, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn);
     // Values carry the rotation of their own positions; turning the output back by the query's angle leaves
     // relative phase only.
-    b.rope(attn, rope, pos0, 1, true);
+    b.rope(attn, rope, pos, true);
     Tensor o_low = first(w.o_low, n);
     b.matmul_grouped(L.o_a, reshape(attn, c.q_dim(), n), o_low, c.o_groups);
     b.matmul(L.o_b, o_low, first(w.out, n));

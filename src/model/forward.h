@@ -72,13 +72,15 @@ class Model {
     struct Workspace;
     void eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
                     float * hidden);
-    // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch); il names it in
-    // traces. The main layers and the MTP block both run through here.
-    void block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring, int64_t pos0,
-               int64_t n, Tensor & streams, Tensor & streams2);
-    void attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t ring,
-                   int64_t pos0, int64_t n);
+    // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch) for the tokens at
+    // positions [pos0, pos0 + n) (the ops read them from the workspace's positions tensor; pos0 only names trace
+    // rows); il names the layer in traces. The main layers and the MTP block both run through here.
+    void block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0, int64_t n,
+               Tensor & streams, Tensor & streams2);
+    void attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
+                   int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
+    void write_positions(int64_t pos0, int64_t n);
     void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
               const Tensor & norm, int64_t rows, float * logits);
     void trace(std::string_view name, int64_t layer, const Tensor & t) const {

@@ -125,45 +125,18 @@ class CpuBackend final : public Backend {
     void rms_norm(const Tensor & x, const Tensor & gamma, const Tensor & y, float eps) override {
         const int64_t width = x.ne[0];
         pool_.parallel_for(size_t(x.rows()), 16, [&](size_t b, size_t e, int) {
-            for (size_t r = b; r < e; ++r) {
-                const float * xr = x.f32() + r * width;
-                float * yr = y.f32() + r * width;
-                // The statistic in double: the reference (torch, fp32) sums pairwise; a double sum stays closer to
-                // the exact value than any single-precision order.
-                const float scale = 1.0f / std::sqrt(float(sum_squares(xr, width) / double(width)) + eps);
-                if (gamma)
-                    for (int64_t i = 0; i < width; ++i) yr[i] = gamma.f32()[i] * (xr[i] * scale);
-                else
-                    for (int64_t i = 0; i < width; ++i) yr[i] = xr[i] * scale;
-            }
+            for (size_t r = b; r < e; ++r)
+                norm_row(x.f32() + r * width, gamma ? gamma.f32() : nullptr, y.f32() + r * width, width, eps);
         });
     }
 
-    void rope(const Tensor & x, const RopeSpec & spec, int64_t pos0, int64_t pos_stride, bool inverse) override {
+    void rope(const Tensor & x, const RopeSpec & spec, const Tensor & positions, bool inverse) override {
         const int64_t width = x.ne[0];
         const int64_t heads = x.ne[1];
         const int64_t n = x.rows() / heads;
-        const int64_t half = spec.n_rot / 2;
-        const float * inv_freq = spec.inv_freq.f32();
         pool_.parallel_for(size_t(n), 4, [&](size_t b, size_t e, int) {
-            std::vector<float> cs(static_cast<size_t>(half) * 2);
-            for (size_t t = b; t < e; ++t) {
-                // Angles in f32 as the reference computes them: float(position) · inv_freq.
-                const float pos = float(pos0 + int64_t(t) * pos_stride);
-                for (int64_t i = 0; i < half; ++i) {
-                    const float ang = pos * inv_freq[i];
-                    cs[2 * i] = std::cos(ang);
-                    cs[2 * i + 1] = inverse ? -std::sin(ang) : std::sin(ang);
-                }
-                for (int64_t h = 0; h < heads; ++h) {
-                    float * v = x.f32() + (int64_t(t) * heads + h) * width + (width - spec.n_rot);
-                    for (int64_t i = 0; i < half; ++i) {
-                        const float a = v[2 * i], c = v[2 * i + 1];
-                        v[2 * i] = a * cs[2 * i] - c * cs[2 * i + 1];
-                        v[2 * i + 1] = a * cs[2 * i + 1] + c * cs[2 * i];
-                    }
-                }
-            }
+            for (size_t t = b; t < e; ++t)
+                rope_heads(x.f32() + int64_t(t) * heads * width, heads, width, spec, positions.i32()[t], inverse);
         });
     }
 
@@ -182,28 +155,17 @@ class CpuBackend final : public Backend {
     }
 
     // ---- official numerics -----------------------------------------------------------------------------------
-    // V4's widths are whole blocks (448 = 7 × 64 KV channels, 128-wide indexer rows); a test model's trailing
-    // partial block is rounded as a block of its own.
     void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
         const int64_t width = x.ne[0];
-        const int64_t full = n_dims / 64 * 64;
         pool_.parallel_for(size_t(x.rows()), 16, [&](size_t b, size_t e, int) {
-            for (size_t r = b; r < e; ++r) {
-                float * row = x.f32() + r * width;
-                if (full > 0) dsv4::fp8_roundtrip(row, full, 64);
-                if (n_dims > full) dsv4::fp8_roundtrip(row + full, n_dims - full, n_dims - full);
-            }
+            for (size_t r = b; r < e; ++r) fp8_row(x.f32() + r * width, n_dims);
         });
     }
 
     void hadamard_fp4_roundtrip(const Tensor & x) override {
         const int64_t width = x.ne[0];
-        const int64_t block = std::min<int64_t>(width, 32);
         pool_.parallel_for(size_t(x.rows()), 16, [&](size_t b, size_t e, int) {
-            for (size_t r = b; r < e; ++r) {
-                hadamard_inplace(x.f32() + r * width, width);
-                dsv4::fp4_roundtrip(x.f32() + r * width, width, block);
-            }
+            for (size_t r = b; r < e; ++r) hadamard_fp4_row(x.f32() + r * width, width);
         });
     }
 
@@ -293,9 +255,16 @@ class CpuBackend final : public Backend {
     }
 
     // ---- attention -------------------------------------------------------------------------------------------
+    void store_rows(const Tensor & ring, const Tensor & rows, const Tensor & positions) override {
+        const size_t rb = rows.row_bytes();
+        for (int64_t t = 0; t < rows.rows(); ++t)
+            std::memcpy(static_cast<uint8_t *>(ring.data) + size_t(positions.i32()[t] % ring.rows()) * rb,
+                        static_cast<const uint8_t *>(rows.data) + size_t(t) * rb, rb);
+    }
+
     void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape, const Tensor & state_kv,
-                           const Tensor & state_score, int64_t pos0, int64_t ratio, bool overlap,
-                           const Tensor & out) override {
+                           const Tensor & state_score, const Tensor & positions, int64_t ratio, bool overlap,
+                           const CompressedRowFinish & finish, const Tensor & store) override {
         const int64_t wide = kv.ne[0];  // c·width
         const int64_t width = overlap ? wide / 2 : wide;
         const int64_t n = kv.rows();
@@ -303,9 +272,8 @@ class CpuBackend final : public Backend {
         std::vector<float> ape_row(static_cast<size_t>(wide), 0.0f);
         float * skv = state_kv.f32();
         float * ssc = state_score.f32();
-        int64_t emitted = 0;
         for (int64_t t = 0; t < n; ++t) {
-            const int64_t pos = pos0 + t;
+            const int64_t pos = positions.i32()[t];
             const int64_t slot = pos % ratio;
             dequantize_row(ape.type, static_cast<const uint8_t *>(ape.data) + size_t(slot) * ape.row_bytes(),
                            ape_row.data(), wide);
@@ -316,7 +284,8 @@ class CpuBackend final : public Backend {
             if (slot != ratio - 1) continue;
 
             // Block complete: softmax over its candidates per channel, in f32.
-            float * dst = out.f32() + emitted * width;
+            const int64_t block = pos / ratio;
+            float * dst = store.f32() + block * width;
             pool_.parallel_for(size_t(width), 64, [&](size_t cb, size_t ce, int) {
                 for (size_t c = cb; c < ce; ++c) {
                     float m = -std::numeric_limits<float>::infinity();
@@ -340,7 +309,10 @@ class CpuBackend final : public Backend {
                     dst[c] = acc / denom;
                 }
             });
-            ++emitted;
+            norm_row(dst, finish.norm.f32(), dst, width, finish.eps);
+            rope_heads(dst, 1, width, finish.rope, block * ratio, false);
+            if (finish.rounding == RowRounding::fp8) fp8_row(dst, finish.fp8_dims);
+            if (finish.rounding == RowRounding::hadamard_fp4) hadamard_fp4_row(dst, width);
             if (overlap) {
                 // The completed block becomes the previous block of the next one.
                 std::memcpy(skv, skv + ratio * wide, size_t(ratio * wide) * sizeof(float));
@@ -351,8 +323,8 @@ class CpuBackend final : public Backend {
         }
     }
 
-    void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, int64_t pos0, int64_t ratio,
-                        float key_scale, const Tensor & selected) override {
+    void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, const Tensor & positions,
+                        int64_t ratio, float key_scale, const Tensor & selected) override {
         const int64_t heads = q.ne[1];
         const int64_t dim = q.ne[0];
         const int64_t n = q.rows() / heads;
@@ -361,7 +333,7 @@ class CpuBackend final : public Backend {
             std::vector<float> scores;
             std::vector<int32_t> order;
             for (size_t t = b; t < e; ++t) {
-                const int64_t visible = (pos0 + int64_t(t) + 1) / ratio;
+                const int64_t visible = (int64_t(positions.i32()[t]) + 1) / ratio;
                 int32_t * sel = selected.i32() + int64_t(t) * top_k;
                 std::fill_n(sel, top_k, -1);
                 if (visible <= top_k) {
@@ -389,8 +361,8 @@ class CpuBackend final : public Backend {
         });
     }
 
-    void attention(const Tensor & q, const Tensor & raw, int64_t pos0, int64_t window, const CompressedRows & comp,
-                   const Tensor & sinks, float scale, const Tensor & out) override {
+    void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
+                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) override {
         const int64_t dim = q.ne[0];
         const int64_t heads = q.ne[1];
         const int64_t n = q.rows() / heads;
@@ -399,7 +371,7 @@ class CpuBackend final : public Backend {
             std::vector<const float *> rows;
             std::vector<float> logits;
             for (size_t t = b; t < e; ++t) {
-                const int64_t pos = pos0 + int64_t(t);
+                const int64_t pos = positions.i32()[t];
                 // Keys in summation order: the raw window oldest to newest, then compressed rows by index.
                 rows.clear();
                 for (int64_t p = std::max<int64_t>(0, pos - window + 1); p <= pos; ++p)
@@ -511,6 +483,51 @@ class CpuBackend final : public Backend {
     }
 
   private:
+    // y = x / sqrt(mean(x^2) + eps) (· gamma). The statistic in double: the reference (torch, fp32) sums pairwise,
+    // and a double sum stays closer to the exact value than any single-precision order.
+    static void norm_row(const float * x, const float * gamma, float * y, int64_t n, float eps) {
+        const float scale = 1.0f / std::sqrt(float(sum_squares(x, n) / double(n)) + eps);
+        if (gamma)
+            for (int64_t i = 0; i < n; ++i) y[i] = gamma[i] * (x[i] * scale);
+        else
+            for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale;
+    }
+
+    // Rotates the last n_rot channels of `heads` consecutive rows of `width` by one position. Angles in f32 as
+    // the reference computes them: float(position) · inv_freq.
+    static void rope_heads(float * x, int64_t heads, int64_t width, const RopeSpec & spec, int64_t pos, bool inverse) {
+        const int64_t half = spec.n_rot / 2;
+        const float * inv_freq = spec.inv_freq.f32();
+        float cs[512];
+        DSV4_CHECK(half <= 256, "rope over {} channels is more than this backend handles", spec.n_rot);
+        for (int64_t i = 0; i < half; ++i) {
+            const float ang = float(pos) * inv_freq[i];
+            cs[2 * i] = std::cos(ang);
+            cs[2 * i + 1] = inverse ? -std::sin(ang) : std::sin(ang);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+            float * v = x + h * width + (width - spec.n_rot);
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[2 * i], c = v[2 * i + 1];
+                v[2 * i] = a * cs[2 * i] - c * cs[2 * i + 1];
+                v[2 * i + 1] = a * cs[2 * i + 1] + c * cs[2 * i];
+            }
+        }
+    }
+
+    // V4's widths are whole blocks (448 = 7 × 64 KV channels, 128-wide indexer rows); a test model's trailing
+    // partial block is rounded as a block of its own.
+    static void fp8_row(float * x, int64_t n_dims) {
+        const int64_t full = n_dims / 64 * 64;
+        if (full > 0) dsv4::fp8_roundtrip(x, full, 64);
+        if (n_dims > full) dsv4::fp8_roundtrip(x + full, n_dims - full, n_dims - full);
+    }
+
+    static void hadamard_fp4_row(float * x, int64_t width) {
+        hadamard_inplace(x, width);
+        dsv4::fp4_roundtrip(x, width, std::min<int64_t>(width, 32));
+    }
+
     static float swiglu_one(float g, float u, float limit) {
         if (limit > 0) {
             g = std::min(g, limit);
