@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -94,6 +95,11 @@ class Backend {
                       size_t src_offset = 0) = 0;
     virtual void fill(const Tensor & dst, float value) = 0;  // F32 tensors
     virtual void synchronize() = 0;
+
+    // Runs `ops`, a sequence of op calls whose shapes and buffers are fixed for a given key. A device backend may
+    // capture the sequence the first time it sees the key and replay the capture afterwards (CUDA graphs for
+    // decode): inputs change only through write() before the call and results leave only through read() after.
+    virtual void run_captured(uint64_t key, const std::function<void()> & ops) { ops(); }
 
     // ---- dense ops -------------------------------------------------------------------------------------------
     // out[t] = table[ids[t]] as F32. table [width, n_rows] of any weight type; ids I32 [n]; out F32 [n, width].

@@ -158,23 +158,32 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     Tensor tok = first(w.tokens, n);
     b.write(tok, tokens, size_t(n) * sizeof(int32_t));
     write_positions(pos0, n);
-    Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
-    Tensor x = first(w.x, n);
-
-    b.get_rows(W.token_embd, tok, x);
-    trace("embed", -1, x);
-    b.hc_expand(x, streams);
-    for (int64_t il = 0; il < c.n_layer; ++il)
-        block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2);
-    state.set_n_past(pos0 + n);
-    if (mode == LogitsMode::none) return;
-
     // Only the rows whose logits are wanted go through the head (the LM head is the largest matrix).
     const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
-    const int64_t rows = n - first_row;
-    Tensor s = make_tensor(GgmlType::F32, streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
-    if (hidden) b.read(s, hidden, s.n_bytes());
-    head(s, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, rows, logits);
+    const int64_t rows = mode == LogitsMode::none ? 0 : n - first_row;
+    // Each block swaps the two stream buffers twice, so the final streams are always in w.streams.
+    const Tensor final_streams =
+        make_tensor(GgmlType::F32, w.streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
+
+    auto body = [&] {
+        Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
+        Tensor x = first(w.x, n);
+        b.get_rows(W.token_embd, tok, x);
+        trace("embed", -1, x);
+        b.hc_expand(x, streams);
+        for (int64_t il = 0; il < c.n_layer; ++il)
+            block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2);
+        if (rows > 0) head(final_streams, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, rows);
+    };
+    // A decode step is the same op sequence at every position of a state: a device backend replays a capture.
+    if (n == 1 && !trace_)
+        b.run_captured(std::hash<const void *>()(&state) * 31 + uint64_t(mode), body);
+    else
+        body();
+    state.set_n_past(pos0 + n);
+    if (rows == 0) return;
+    if (hidden) b.read(final_streams, hidden, final_streams.n_bytes());
+    b.read(first(w.logits, rows), logits, size_t(rows * c.n_vocab) * sizeof(float));
 }
 
 void Model::write_positions(int64_t pos0, int64_t n) {
@@ -184,7 +193,7 @@ void Model::write_positions(int64_t pos0, int64_t n) {
 }
 
 void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
-                 const Tensor & norm, int64_t rows, float * logits) {
+                 const Tensor & norm, int64_t rows) {
     const ModelConfig & c = config_;
     Backend & b = backend_;
     Tensor z = first(ws_->x, rows);
@@ -192,9 +201,7 @@ void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc
     trace("hc_head_out", -1, z);
     b.rms_norm(z, norm, z, c.norm_eps);
     trace("final_norm_out", -1, z);
-    Tensor lg = first(ws_->logits, rows);
-    b.matmul(weights_.output, z, lg);
-    b.read(lg, logits, size_t(rows * c.n_vocab) * sizeof(float));
+    b.matmul(weights_.output, z, first(ws_->logits, rows));
 }
 
 void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> next_tokens, const float * hidden,
@@ -243,7 +250,8 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
     }
     block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2);
     if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
-    head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n, logits);
+    head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n);
+    b.read(first(w.logits, n), logits, size_t(n * c.n_vocab) * sizeof(float));
 }
 
 void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,

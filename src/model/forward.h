@@ -81,8 +81,9 @@ class Model {
                    int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
     void write_positions(int64_t pos0, int64_t n);
+    // HC head, final norm and LM head of `rows` rows of streams into the workspace's logits.
     void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
-              const Tensor & norm, int64_t rows, float * logits);
+              const Tensor & norm, int64_t rows);
     void trace(std::string_view name, int64_t layer, const Tensor & t) const {
         if (trace_) trace_(name, layer, t);
     }

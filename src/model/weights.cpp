@@ -182,7 +182,7 @@ Tensor * field(ModelWeights & w, MtpWeights * mtp, const TensorSpec & s) {
 }
 
 // Binds every tensor of a layout.
-void bind(Binder & b, const std::vector<TensorSpec> & specs, ModelWeights & w, MtpWeights * mtp) {
+void bind_layout(Binder & b, const std::vector<TensorSpec> & specs, ModelWeights & w, MtpWeights * mtp) {
     for (const TensorSpec & s : specs) {
         Tensor * t = field(w, mtp, s);
         if (s.slot == Slot::exp_probs_b && !b.has(s.name)) {
@@ -206,14 +206,14 @@ ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend 
     w.layers.resize(size_t(c.n_layer));
     Binder b(file, backend, w);
     b.set_expert_limit(c.n_expert);
-    bind(b, tensor_layout(c), w, nullptr);
+    bind_layout(b, tensor_layout(c), w, nullptr);
 
     // MTP: llama.cpp keeps it in the main file as block n_layer with nextn.* tensors; ds4 ships mtp.0.* apart.
     const std::string in_file = "blk." + std::to_string(c.n_layer) + ".";
     if (b.has(in_file + slot_suffix(Slot::mtp_eh_proj))) {
         MtpWeights m;
         m.config = mtp_layer_config(c);
-        bind(b, mtp_layout(c, in_file, true), w, &m);
+        bind_layout(b, mtp_layout(c, in_file, true), w, &m);
         // llama.cpp's layout has no HC head of its own for the MTP block (it uses the main model's) and an
         // optional norm before the shared LM head.
         const std::string norm = in_file + "nextn.shared_head_norm.weight";
@@ -231,7 +231,7 @@ ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend 
         mb.set_expert_limit(c.n_expert);
         MtpWeights m;
         m.config = mtp_layer_config(c);
-        bind(mb, mtp_layout(c, "mtp.0.", false), w, &m);
+        bind_layout(mb, mtp_layout(c, "mtp.0.", false), w, &m);
         w.mtp = std::move(m);
         mb.warn_unused();
     }
