@@ -17,6 +17,7 @@
 #include <limits>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #define DSV4_QUANT_X86 1
 #else
 #define DSV4_QUANT_X86 0
@@ -127,9 +128,13 @@ std::atomic<bool> g_force_scalar{false};
 
 bool cpu_has_avx2() {
 #if DSV4_QUANT_X86
+    // F16C is read from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c". The
+    // AVX2 check already covers the OS saving YMM state.
     static const bool ok = [] {
         __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     }();
     return ok;
 #else

@@ -5,8 +5,9 @@
 // Integer dot products use the unsigned·signed byte multiply (vpmaddubsw): the weight side is made unsigned
 // (Q2_K/Q4_K codes and IQ2 grid magnitudes already are; Q8_0 and MXFP4 move their sign onto the activation),
 // the 16-bit pair sums cannot saturate for these ranges, and vpmaddwd widens to 32 bits while applying 16-bit
-// scales. Each kernel keeps several independent accumulators so consecutive blocks do not serialize on one
-// FMA chain.
+// scales. Kernels keep two to four independent accumulators so consecutive blocks do not serialize on one
+// add chain, and name each one: GCC keeps an indexed accumulator array (acc[i & 1]) on the stack, which cost
+// up to 20 % through store forwarding.
 #include "format/quant_impl.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -36,7 +37,6 @@ inline uint32_t load_u32(const void * p) {
 
 inline __m256i loadu256(const void * p) { return _mm256_loadu_si256(static_cast<const __m256i *>(p)); }
 inline __m128i loadu128(const void * p) { return _mm_loadu_si128(static_cast<const __m128i *>(p)); }
-inline __m128i load64(const void * p) { return _mm_loadl_epi64(static_cast<const __m128i *>(p)); }
 
 // 8 i32 lanes, each the sum of 4 products w·a of signed bytes. |w| is at most 128 and |a| at most 127
 // (activations never hold -128), so a pair of products fits the 16-bit intermediate.
@@ -61,7 +61,7 @@ inline __m256i mxfp4_values(const uint8_t * qs, __m256i table) {
     return _mm256_shuffle_epi8(table, nib);
 }
 
-// Sum over 8 lanes of int8 values v[0..7] · x[0..7] with the bytes widened to f32.
+// The low 8 bytes of a vector as 8 f32 lanes (signed / unsigned bytes).
 inline __m256 i8x8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 inline __m256 u8x8_to_ps(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 
@@ -131,36 +131,53 @@ float dot_bf16_f32(int64_t n, const void * w, const float * x) {
 // ---------------------------------------------------------------------------------------------------------------------
 // Quantized weights · f32 (decode to f32 in registers; per-sub-block sums are scaled once)
 // ---------------------------------------------------------------------------------------------------------------------
+namespace {
+
+// Σ q·x over one block of 32 i8 values (8 lanes), before the block scale.
+inline __m256 i8x32_dot(__m128i lo, __m128i hi, const float * x) {
+    __m256 s = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(x + 16), s);
+    return _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
+}
+
+inline __m256 q8_0_block_f32(const BlockQ8_0 & b, const float * x) {
+    return _mm256_mul_ps(_mm256_set1_ps(f16(b.d)), i8x32_dot(loadu128(b.qs), loadu128(b.qs + 16), x));
+}
+
+inline __m256 mxfp4_block_f32(const BlockMXFP4 & b, __m256i table, const float * x) {
+    const __m256i v = mxfp4_values(b.qs, table);
+    const __m256 s = i8x32_dot(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1), x);
+    return _mm256_mul_ps(_mm256_set1_ps(e8m0_half(b.e)), s);
+}
+
+}  // namespace
+
 float dot_q8_0_f32(int64_t n, const void * wv, const float * x) {
     const BlockQ8_0 * w = static_cast<const BlockQ8_0 *>(wv);
     const int64_t nb = n / QK8_0;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; ++i, x += QK8_0) {
-        const int8_t * q = w[i].qs;
-        __m256 s = _mm256_mul_ps(i8x8_to_ps(load64(q)), _mm256_loadu_ps(x));
-        s = _mm256_fmadd_ps(i8x8_to_ps(load64(q + 8)), _mm256_loadu_ps(x + 8), s);
-        s = _mm256_fmadd_ps(i8x8_to_ps(load64(q + 16)), _mm256_loadu_ps(x + 16), s);
-        s = _mm256_fmadd_ps(i8x8_to_ps(load64(q + 24)), _mm256_loadu_ps(x + 24), s);
-        acc[i & 1] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w[i].d)), s, acc[i & 1]);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        acc0 = _mm256_add_ps(acc0, q8_0_block_f32(w[i], x + QK8_0 * i));
+        acc1 = _mm256_add_ps(acc1, q8_0_block_f32(w[i + 1], x + QK8_0 * (i + 1)));
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1]));
+    if (i < nb) acc0 = _mm256_add_ps(acc0, q8_0_block_f32(w[i], x + QK8_0 * i));
+    return hsum(_mm256_add_ps(acc0, acc1));
 }
 
 float dot_mxfp4_f32(int64_t n, const void * wv, const float * x) {
     const BlockMXFP4 * w = static_cast<const BlockMXFP4 *>(wv);
     const int64_t nb = n / QK_MXFP4;
     const __m256i table = _mm256_broadcastsi128_si256(loadu128(kMxfp4Doubled));
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; ++i, x += QK_MXFP4) {
-        const __m256i v = mxfp4_values(w[i].qs, table);
-        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-        __m256 s = _mm256_mul_ps(i8x8_to_ps(lo), _mm256_loadu_ps(x));
-        s = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
-        s = _mm256_fmadd_ps(i8x8_to_ps(hi), _mm256_loadu_ps(x + 16), s);
-        s = _mm256_fmadd_ps(i8x8_to_ps(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
-        acc[i & 1] = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[i].e)), s, acc[i & 1]);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        acc0 = _mm256_add_ps(acc0, mxfp4_block_f32(w[i], table, x + QK_MXFP4 * i));
+        acc1 = _mm256_add_ps(acc1, mxfp4_block_f32(w[i + 1], table, x + QK_MXFP4 * (i + 1)));
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1]));
+    if (i < nb) acc0 = _mm256_add_ps(acc0, mxfp4_block_f32(w[i], table, x + QK_MXFP4 * i));
+    return hsum(_mm256_add_ps(acc0, acc1));
 }
 
 // Q2_K: per sub-block of 16, Σ (dl·q − ml)·x = dl·Σ q·x − ml·Σ x.
@@ -223,29 +240,38 @@ float dot_q4_k_f32(int64_t n, const void * wv, const float * x) {
     return hsum(_mm256_add_ps(acc[0], acc[1]));
 }
 
+namespace {
+
+// One IQ2_XXS group (32 values) · x, scaled by the group's db.
+inline __m256 iq2_xxs_group_f32(const BlockIQ2_XXS & w, float d, int g, const float * x) {
+    const __m256i sign_bit = _mm256_set1_epi32(int(0x80000000u));
+    const uint8_t * gi = reinterpret_cast<const uint8_t *>(w.qs + 4 * g);
+    const uint32_t sgn = load_u32(w.qs + 4 * g + 2);
+    __m256 s = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+        const __m128i grid = _mm_cvtsi64_si128(int64_t(kIq2.grid[gi[k]]));
+        const __m128i pm1 = _mm_cvtsi64_si128(int64_t(kIq2.sign_pm1[(sgn >> (7 * k)) & 127]));
+        const __m256i flip = _mm256_and_si256(_mm256_cvtepi8_epi32(pm1), sign_bit);  // -1 → sign bit
+        const __m256 v = _mm256_xor_ps(u8x8_to_ps(grid), _mm256_castsi256_ps(flip));
+        s = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 8 * k), s);
+    }
+    return _mm256_mul_ps(_mm256_set1_ps(d * (0.5f + float(sgn >> 28)) * 0.25f), s);
+}
+
+}  // namespace
+
 float dot_iq2_xxs_f32(int64_t n, const void * wv, const float * x) {
     const BlockIQ2_XXS * w = static_cast<const BlockIQ2_XXS *>(wv);
     const int64_t nb = n / QK_K;
-    const __m256i sign_bit = _mm256_set1_epi32(int(0x80000000u));
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; ++i) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (int64_t i = 0; i < nb; ++i, x += QK_K) {
         const float d = f16(w[i].d);
-        for (int g = 0; g < 8; ++g, x += 32) {
-            const uint32_t idx = load_u32(w[i].qs + 4 * g);
-            const uint32_t sgn = load_u32(w[i].qs + 4 * g + 2);
-            __m256 s = _mm256_setzero_ps();
-            for (int k = 0; k < 4; ++k) {
-                const __m128i grid = _mm_cvtsi64_si128(int64_t(kIq2.grid[(idx >> (8 * k)) & 255]));
-                const __m128i mask = _mm_cvtsi64_si128(int64_t(kIq2.sign_pm1[(sgn >> (7 * k)) & 127]));
-                const __m256i flip = _mm256_and_si256(_mm256_cvtepi8_epi32(mask), sign_bit);
-                const __m256 v = _mm256_xor_ps(u8x8_to_ps(grid), _mm256_castsi256_ps(flip));
-                s = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 8 * k), s);
-            }
-            const float db = d * (0.5f + float(sgn >> 28)) * 0.25f;
-            acc[g & 1] = _mm256_fmadd_ps(_mm256_set1_ps(db), s, acc[g & 1]);
+        for (int g = 0; g < 8; g += 2) {
+            acc0 = _mm256_add_ps(acc0, iq2_xxs_group_f32(w[i], d, g, x + 32 * g));
+            acc1 = _mm256_add_ps(acc1, iq2_xxs_group_f32(w[i], d, g + 1, x + 32 * (g + 1)));
         }
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1]));
+    return hsum(_mm256_add_ps(acc0, acc1));
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -385,31 +411,38 @@ float dot_q4_k_q8k(int64_t n, const void * wv, const void * av) {
 // IQ2_XXS · Q8_K: the four 8-byte grid points of a group form one 32-byte vector of magnitudes; their ±1
 // signs move onto the activations (vpsignb), and the group's 2·ls + 1 multiplies in vpmaddwd. The 1/8 and both
 // d's are applied once per block.
+namespace {
+
+// i32 partial sums of group g (32 values) of an IQ2_XXS block against its activations.
+inline __m256i iq2_xxs_group(const BlockIQ2_XXS & w, const int8_t * q8, int g) {
+    const uint64_t * grid = kIq2.grid;
+    const uint64_t * sign = kIq2.sign_pm1;
+    // The grid indices are plain bytes: load them directly rather than shifting them out of a word.
+    const uint8_t * gi = reinterpret_cast<const uint8_t *>(w.qs + 4 * g);
+    const uint32_t sgn = load_u32(w.qs + 4 * g + 2);
+    const __m256i gv =
+        _mm256_set_epi64x(int64_t(grid[gi[3]]), int64_t(grid[gi[2]]), int64_t(grid[gi[1]]), int64_t(grid[gi[0]]));
+    const __m256i sv = _mm256_set_epi64x(int64_t(sign[(sgn >> 21) & 127]), int64_t(sign[(sgn >> 14) & 127]),
+                                         int64_t(sign[(sgn >> 7) & 127]), int64_t(sign[sgn & 127]));
+    const __m256i p16 = _mm256_maddubs_epi16(gv, _mm256_sign_epi8(loadu256(q8 + 32 * g), sv));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(short(2 * (sgn >> 28) + 1)));
+}
+
+}  // namespace
+
 float dot_iq2_xxs_q8k(int64_t n, const void * wv, const void * av) {
     const BlockIQ2_XXS * w = static_cast<const BlockIQ2_XXS *>(wv);
     const BlockQ8_K * a = static_cast<const BlockQ8_K *>(av);
     const int64_t nb = n / QK_K;
-    const uint64_t * grid = kIq2.grid;
-    const uint64_t * smask = kIq2.sign_pm1;
-    __m256 acc = _mm256_setzero_ps();  // one FMA per 256 values: its latency chain is not the limit
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; ++i) {
-        const int8_t * q8 = a[i].qs;
-        __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int g = 0; g < 8; ++g) {
-            // The grid indices are plain bytes: load them directly rather than shifting them out of a word.
-            const uint8_t * gi = reinterpret_cast<const uint8_t *>(w[i].qs + 4 * g);
-            const uint32_t sgn = load_u32(w[i].qs + 4 * g + 2);
-            const __m256i gv = _mm256_set_epi64x(int64_t(grid[gi[3]]), int64_t(grid[gi[2]]), int64_t(grid[gi[1]]),
-                                                 int64_t(grid[gi[0]]));
-            const __m256i sv = _mm256_set_epi64x(int64_t(smask[(sgn >> 21) & 127]), int64_t(smask[(sgn >> 14) & 127]),
-                                                 int64_t(smask[(sgn >> 7) & 127]), int64_t(smask[sgn & 127]));
-            const __m256i av8 = loadu256(q8 + 32 * g);
-            const __m256i signed_a = _mm256_sign_epi8(av8, sv);
-            const __m256i p16 = _mm256_maddubs_epi16(gv, signed_a);
-            const __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(short(2 * (sgn >> 28) + 1)));
-            isum[g & 1] = _mm256_add_epi32(isum[g & 1], p32);
+        // Two groups per step into two named accumulators (see the top of the file).
+        __m256i isum0 = _mm256_setzero_si256(), isum1 = isum0;
+        for (int g = 0; g < 8; g += 2) {
+            isum0 = _mm256_add_epi32(isum0, iq2_xxs_group(w[i], a[i].qs, g));
+            isum1 = _mm256_add_epi32(isum1, iq2_xxs_group(w[i], a[i].qs, g + 1));
         }
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(isum[0], isum[1]));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(isum0, isum1));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w[i].d) * a[i].d * 0.125f), s, acc);
     }
     return hsum(acc);
