@@ -22,8 +22,14 @@ namespace {
 // Small vector helpers
 // ---------------------------------------------------------------------------------------------------------------------
 
-// Compiled for AVX2 and a baseline; the loader picks one at start-up (these run inside attention and HC).
-__attribute__((target_clones("avx2", "default"))) float dot_f32(const float * a, const float * b, int64_t n) {
+// Compiled for AVX2 and a baseline on x86; the loader picks one at start-up (these run inside attention and HC).
+#if defined(__x86_64__)
+#define DSV4_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DSV4_CPU_CLONES
+#endif
+
+DSV4_CPU_CLONES float dot_f32(const float * a, const float * b, int64_t n) {
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -40,7 +46,7 @@ __attribute__((target_clones("avx2", "default"))) float dot_f32(const float * a,
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
 }
 
-__attribute__((target_clones("avx2", "default"))) void axpy_f32(float * y, float a, const float * x, int64_t n) {
+DSV4_CPU_CLONES void axpy_f32(float * y, float a, const float * x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
