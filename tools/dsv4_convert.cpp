@@ -3,12 +3,10 @@
 #include "model/convert.h"
 #include "util/error.h"
 #include "util/log.h"
-#include "util/timer.h"
+#include "util/progress.h"
 
 #include <CLI/CLI.hpp>
 
-#include <cstdio>
-#include <unistd.h>
 
 int main(int argc, char ** argv) {
     using namespace dsv4;
@@ -23,21 +21,12 @@ int main(int argc, char ** argv) {
     CLI11_PARSE(app, argc, argv);
     try {
         if (!parse_storage_mix(type_name, &opts.mix)) fail("--type: unknown type '{}'", type_name);
-        const bool tty = isatty(2);
-        Timer timer;
-        double last = -1;
-        opts.progress = [&](uint64_t done, uint64_t total) {
-            const double t = timer.seconds();
-            if (t - last < 1.0 && done != total) return;
-            last = t;
-            std::fprintf(stderr, "%s%5.1f%%  %.2f of %.2f GB  %.0f MB/s%s", tty ? "\r" : "",
-                         total ? 100.0 * double(done) / double(total) : 100.0, double(done) / 1e9,
-                         double(total) / 1e9, double(done) / 1e6 / std::max(t, 1e-3), tty ? "" : "\n");
-        };
+        ProgressLine progress;
+        opts.progress = [&](uint64_t done, uint64_t total) { progress.update(done, total); };
         ConvertStats s = convert_checkpoint(input, output, opts);
-        if (tty) std::fputc('\n', stderr);
+        progress.finish();
         log_info("wrote {}: {} tensors, {:.1f} MB, {} stored wider than --type {} (rows not a block multiple), "
-                 "{:.1f} s", output, s.n_tensors, double(s.bytes) / 1e6, s.n_fallbacks, type_name, timer.seconds());
+                 "{:.1f} s", output, s.n_tensors, double(s.bytes) / 1e6, s.n_fallbacks, type_name, progress.seconds());
         return 0;
     } catch (const Error & e) {
         log_error("{}", e.what());

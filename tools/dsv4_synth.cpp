@@ -3,13 +3,11 @@
 #include "model/synth.h"
 #include "util/error.h"
 #include "util/log.h"
-#include "util/timer.h"
+#include "util/progress.h"
 
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <cstdio>
-#include <unistd.h>
 
 int main(int argc, char ** argv) {
     using namespace dsv4;
@@ -43,21 +41,12 @@ int main(int argc, char ** argv) {
         o.vocab_path = vocab;
         o.mtp_in_file = mtp_in_file;
         o.mtp_path = mtp_file;
-        const bool tty = isatty(2);
-        Timer timer;
-        double last = -1;
-        o.progress = [&](uint64_t done, uint64_t total) {
-            const double t = timer.seconds();
-            if (t - last < 1.0 && done != total) return;
-            last = t;
-            std::fprintf(stderr, "%s%5.1f%%  %.2f of %.2f GB  %.0f MB/s%s", tty ? "\r" : "",
-                         100.0 * double(done) / double(std::max<uint64_t>(total, 1)), double(done) / 1e9,
-                         double(total) / 1e9, double(done) / 1e6 / std::max(t, 1e-3), tty ? "" : "\n");
-        };
+        ProgressLine progress;
+        o.progress = [&](uint64_t done, uint64_t total) { progress.update(done, total); };
         const uint64_t bytes = write_synthetic_model(o, output);
-        if (tty) std::fputc('\n', stderr);
+        progress.finish();
         log_info("wrote {}: {} layers of {} shape, mix {}, {:.2f} GB of weights in {:.1f} s", output, layers, shape,
-                 mix_name, double(bytes) / 1e9, timer.seconds());
+                 mix_name, double(bytes) / 1e9, progress.seconds());
         return 0;
     } catch (const Error & e) {
         log_error("{}", e.what());

@@ -65,35 +65,57 @@ template <typename T> T opt(const json & j, const char * key, T fallback) {
     }
 }
 
+// The hyperparameters both config formats have, under their two names (transformers', DeepSeek's ModelArgs).
+// A field with no default is required.
+struct ConfigKey {
+    const char * hf;
+    const char * official;
+    int64_t SrcConfig::*count = nullptr;
+    double SrcConfig::*real = nullptr;
+    std::optional<double> fallback;
+};
+
+const ConfigKey kConfigKeys[] = {
+    {"vocab_size", "vocab_size", &SrcConfig::vocab, nullptr, {}},
+    {"hidden_size", "dim", &SrcConfig::dim, nullptr, {}},
+    {"num_hidden_layers", "n_layers", &SrcConfig::n_layer, nullptr, {}},
+    {"num_attention_heads", "n_heads", &SrcConfig::n_head, nullptr, {}},
+    {"head_dim", "head_dim", &SrcConfig::head_dim, nullptr, {}},
+    {"q_lora_rank", "q_lora_rank", &SrcConfig::q_lora, nullptr, {}},
+    {"o_groups", "o_groups", &SrcConfig::o_groups, nullptr, {}},
+    {"o_lora_rank", "o_lora_rank", &SrcConfig::o_lora, nullptr, {}},
+    {"moe_intermediate_size", "moe_inter_dim", &SrcConfig::expert_ff, nullptr, {}},
+    {"n_routed_experts", "n_routed_experts", &SrcConfig::n_expert, nullptr, {}},
+    {"num_experts_per_tok", "n_activated_experts", &SrcConfig::n_used, nullptr, {}},
+    {"sliding_window", "window_size", &SrcConfig::window, nullptr, {}},
+    {"hc_mult", "hc_mult", &SrcConfig::hc, nullptr, {}},
+    {"index_n_heads", "index_n_heads", &SrcConfig::idx_heads, nullptr, 0},
+    {"index_head_dim", "index_head_dim", &SrcConfig::idx_dim, nullptr, 0},
+    {"index_topk", "index_topk", &SrcConfig::idx_top_k, nullptr, 0},
+    {"hc_sinkhorn_iters", "hc_sinkhorn_iters", &SrcConfig::hc_iters, nullptr, 20},
+    {"max_position_embeddings", "max_seq_len", &SrcConfig::max_ctx, nullptr, 0},
+    {"hc_eps", "hc_eps", nullptr, &SrcConfig::hc_eps, 1e-6},
+    {"rms_norm_eps", "norm_eps", nullptr, &SrcConfig::norm_eps, 1e-6},
+    {"routed_scaling_factor", "route_scale", nullptr, &SrcConfig::route_scale, 1.0},
+    {"swiglu_limit", "swiglu_limit", nullptr, &SrcConfig::swiglu_limit, 0.0},
+    {"rope_theta", "rope_theta", nullptr, &SrcConfig::rope_base, 10000.0},
+};
+
+void read_common_keys(const json & j, const std::string & file, bool official, SrcConfig & c) {
+    for (const ConfigKey & k : kConfigKeys) {
+        const char * key = official ? k.official : k.hf;
+        if (k.count) c.*k.count = k.fallback ? opt<int64_t>(j, key, int64_t(*k.fallback)) : need<int64_t>(j, key, file);
+        else c.*k.real = k.fallback ? opt<double>(j, key, *k.fallback) : need<double>(j, key, file);
+    }
+    c.rope_base_compressed = opt<double>(j, "compress_rope_theta", c.rope_base);
+}
+
 SrcConfig read_hf_config(const json & j, const std::string & file) {
     SrcConfig c;
-    c.vocab = need<int64_t>(j, "vocab_size", file);
-    c.dim = need<int64_t>(j, "hidden_size", file);
-    c.n_layer = need<int64_t>(j, "num_hidden_layers", file);
-    c.n_head = need<int64_t>(j, "num_attention_heads", file);
-    c.head_dim = need<int64_t>(j, "head_dim", file);
+    read_common_keys(j, file, false, c);
     c.n_rot = j.contains("qk_rope_head_dim") && !j["qk_rope_head_dim"].is_null()
                   ? j["qk_rope_head_dim"].get<int64_t>()
                   : int64_t(double(c.head_dim) * opt<double>(j, "partial_rotary_factor", 1.0));
-    c.q_lora = need<int64_t>(j, "q_lora_rank", file);
-    c.o_groups = need<int64_t>(j, "o_groups", file);
-    c.o_lora = need<int64_t>(j, "o_lora_rank", file);
-    c.expert_ff = need<int64_t>(j, "moe_intermediate_size", file);
-    c.n_expert = need<int64_t>(j, "n_routed_experts", file);
-    c.n_used = need<int64_t>(j, "num_experts_per_tok", file);
-    c.window = need<int64_t>(j, "sliding_window", file);
-    c.idx_heads = opt<int64_t>(j, "index_n_heads", 0);
-    c.idx_dim = opt<int64_t>(j, "index_head_dim", 0);
-    c.idx_top_k = opt<int64_t>(j, "index_topk", 0);
-    c.hc = need<int64_t>(j, "hc_mult", file);
-    c.hc_iters = opt<int64_t>(j, "hc_sinkhorn_iters", 20);
-    c.hc_eps = opt<double>(j, "hc_eps", 1e-6);
-    c.norm_eps = opt<double>(j, "rms_norm_eps", 1e-6);
-    c.route_scale = opt<double>(j, "routed_scaling_factor", 1.0);
-    c.swiglu_limit = opt<double>(j, "swiglu_limit", 0.0);
-    c.max_ctx = opt<int64_t>(j, "max_position_embeddings", 0);
-    c.rope_base = opt<double>(j, "rope_theta", 10000.0);
-    c.rope_base_compressed = opt<double>(j, "compress_rope_theta", c.rope_base);
 
     // rope_parameters: nested {main, compress} as transformers writes it, or a flat dict for the compressed rope.
     json compress = json::object();
@@ -161,31 +183,8 @@ SrcConfig read_hf_config(const json & j, const std::string & file) {
 SrcConfig read_official_config(const json & j, const std::string & file) {
     SrcConfig c;
     c.official = true;
-    c.vocab = need<int64_t>(j, "vocab_size", file);
-    c.dim = need<int64_t>(j, "dim", file);
-    c.n_layer = need<int64_t>(j, "n_layers", file);
-    c.n_head = need<int64_t>(j, "n_heads", file);
-    c.head_dim = need<int64_t>(j, "head_dim", file);
+    read_common_keys(j, file, true, c);
     c.n_rot = need<int64_t>(j, "rope_head_dim", file);
-    c.q_lora = need<int64_t>(j, "q_lora_rank", file);
-    c.o_groups = need<int64_t>(j, "o_groups", file);
-    c.o_lora = need<int64_t>(j, "o_lora_rank", file);
-    c.expert_ff = need<int64_t>(j, "moe_inter_dim", file);
-    c.n_expert = need<int64_t>(j, "n_routed_experts", file);
-    c.n_used = need<int64_t>(j, "n_activated_experts", file);
-    c.window = need<int64_t>(j, "window_size", file);
-    c.idx_heads = opt<int64_t>(j, "index_n_heads", 0);
-    c.idx_dim = opt<int64_t>(j, "index_head_dim", 0);
-    c.idx_top_k = opt<int64_t>(j, "index_topk", 0);
-    c.hc = need<int64_t>(j, "hc_mult", file);
-    c.hc_iters = opt<int64_t>(j, "hc_sinkhorn_iters", 20);
-    c.hc_eps = opt<double>(j, "hc_eps", 1e-6);
-    c.norm_eps = opt<double>(j, "norm_eps", 1e-6);
-    c.route_scale = opt<double>(j, "route_scale", 1.0);
-    c.swiglu_limit = opt<double>(j, "swiglu_limit", 0.0);
-    c.max_ctx = opt<int64_t>(j, "max_seq_len", 0);
-    c.rope_base = opt<double>(j, "rope_theta", 10000.0);
-    c.rope_base_compressed = opt<double>(j, "compress_rope_theta", c.rope_base);
     const std::string score = opt<std::string>(j, "score_func", "sqrtsoftplus");
     DSV4_CHECK(score == "sqrtsoftplus", "{}: score_func '{}' is not DeepSeek V4's sqrtsoftplus", file, score);
     c.yarn_factor = opt<double>(j, "rope_factor", 1.0);
