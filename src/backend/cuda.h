@@ -1,0 +1,44 @@
+// The CUDA backend: every op of backend.h on one NVIDIA GPU (sm_90 H100/H200, sm_120, sm_121 GB10).
+// Design, memory plan and measured numbers: docs/cuda.md.
+#pragma once
+
+#include "backend/backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace dsv4 {
+
+struct CudaBackendOptions {
+    int device = 0;      // CUDA device index (--gpu)
+    bool graphs = true;  // replay run_captured() sequences as CUDA graphs (false: always eager)
+};
+
+// Number of usable CUDA devices; 0 when the driver or runtime is missing or reports none (never throws).
+int cuda_device_count();
+
+// Throws dsv4::Error when the device does not exist or cannot be initialised.
+std::unique_ptr<Backend> make_cuda_backend(const CudaBackendOptions & options = {});
+
+// For `dsv4 --version`: runtime and driver versions and one line per GPU (name, compute capability, memory),
+// or a line saying why there is none.
+std::string cuda_device_summary();
+
+// Free and total device memory of a device in bytes (cudaMemGetInfo); {0, 0} when it cannot be queried.
+struct CudaMemoryInfo {
+    uint64_t free_bytes = 0;
+    uint64_t total_bytes = 0;
+};
+CudaMemoryInfo cuda_memory_info(int device);
+
+// Bytes of device scratch the CUDA backend allocates beside the model's own buffers for chunks of n_ubatch
+// tokens (MoE gather buffers, attention split partials, indexer scores over n_ctx / ratio rows): what a memory
+// plan adds to the weights and the KV state. d = head dim, hc = streams, D = width, I = expert width.
+struct CudaScratchShape {
+    int64_t n_ubatch = 1, n_ctx = 0, n_embd = 0, expert_ff = 0, n_expert_used = 0, n_head = 0, head_dim = 0, window = 0,
+            min_ratio = 0, indexer_top_k = 0;
+};
+uint64_t cuda_scratch_bytes(const CudaScratchShape & s);
+
+}  // namespace dsv4

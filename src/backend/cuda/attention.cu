@@ -1,0 +1,481 @@
+// Attention-side ops: the raw ring, the compressors (pooling completed blocks and advancing their frontier
+// state), the lightning indexer (scores and an exact top-k), and sink attention over the window plus the
+// compressed rows. Every kernel reads the positions from device memory and sizes its grid from capacities, so
+// a decode step's launches never change.
+#include "backend/cuda/common.cuh"
+
+#include <algorithm>
+#include <climits>
+
+namespace dsv4::cuda {
+
+namespace {
+
+unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+int device_sms() {
+    static int sms[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) return 132;
+    if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+    return std::max(sms[dev], 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Raw ring
+// ---------------------------------------------------------------------------------------------------------------------
+__global__ void store_rows_kernel(float * ring, int64_t ring_rows, const float * rows, int64_t n, int64_t width,
+                                  const int32_t * positions) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n * width) return;
+    const int64_t t = i / width, c = i % width;
+    ring[(int64_t(positions[t]) % ring_rows) * width + c] = rows[i];
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Compressor
+// ---------------------------------------------------------------------------------------------------------------------
+// The chunk's positions are consecutive: p0 = positions[0] .. p0 + n - 1. Values and scores of position q come
+// from the chunk (q >= p0, score plus ape[q mod R]) or from the frontier state as it was before the chunk.
+struct Candidate {
+    float v, s;
+};
+
+__device__ __forceinline__ Candidate chunk_value(const CompressorArgs & a, int64_t q, int64_t p0, int64_t col) {
+    const int64_t t = q - p0;
+    return {a.kv[t * a.wide + col], a.score[t * a.wide + col] + weight_element(a.ape, q % a.ratio, col)};
+}
+
+// Pools channel c of every block that the chunk completes (one thread per channel and token).
+__global__ void compressor_pool_kernel(const CompressorArgs a) {
+    const int64_t t = blockIdx.y;
+    const int64_t width = a.overlap ? a.wide / 2 : a.wide;
+    const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t pos = a.positions[t], R = a.ratio;
+    if (c >= width || pos % R != R - 1) return;
+    const int64_t p0 = a.positions[0], b = pos / R;
+    if (b >= a.capacity) return;
+    const int64_t open0 = a.overlap ? R : 0;
+    auto get = [&](int64_t q, int64_t col) -> Candidate {
+        if (q >= p0) return chunk_value(a, q, p0, col);
+        if (q >= b * R) {  // this block's earlier tokens: the open rows
+            const int64_t r = open0 + q % R;
+            return {a.state_kv[r * a.wide + col], a.state_score[r * a.wide + col]};
+        }
+        // The previous block: completed before the chunk (its rows moved to [0, R)) or the open block then.
+        const int64_t slot = q - (b - 1) * R;
+        const int64_t r = b * R <= p0 ? slot : open0 + slot;
+        return {a.state_kv[r * a.wide + col], a.state_score[r * a.wide + col]};
+    };
+    // Candidates in the CPU's order: the previous block's first halves (overlap), then this block's.
+    float m = -INFINITY;
+    if (a.overlap)
+        for (int64_t r = 0; r < R; ++r) m = fmaxf(m, get((b - 1) * R + r, c).s);
+    for (int64_t r = 0; r < R; ++r) m = fmaxf(m, get(b * R + r, (a.overlap ? width : 0) + c).s);
+    float denom = 0, acc = 0;
+    auto add = [&](Candidate x) {
+        if (x.s == -INFINITY) return;
+        const float p = expf(x.s - m);
+        denom += p;
+        acc += p * x.v;
+    };
+    if (a.overlap)
+        for (int64_t r = 0; r < R; ++r) add(get((b - 1) * R + r, c));
+    for (int64_t r = 0; r < R; ++r) add(get(b * R + r, (a.overlap ? width : 0) + c));
+    a.store[b * width + c] = acc / denom;
+}
+
+// Finishes each pooled row: RMSNorm, RoPE at the block's first position b·R, rounding. One block per token.
+__global__ void compressor_finish_kernel(const CompressorArgs a) {
+    extern __shared__ float row[];
+    __shared__ double red[32];
+    const int64_t t = blockIdx.x;
+    const int64_t width = a.overlap ? a.wide / 2 : a.wide;
+    const int64_t pos = a.positions[t], R = a.ratio;
+    if (pos % R != R - 1 || pos / R >= a.capacity) return;
+    const int64_t b = pos / R;
+    float * dst = a.store + b * width;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+        row[i] = dst[i];
+        ss += double(row[i]) * double(row[i]);
+    }
+    ss = block_sum(ss, red);
+    const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = a.norm[i] * (row[i] * scale);
+    __syncthreads();
+    const int half = a.n_rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float ang = float(b * R) * a.inv_freq[i];
+        const float cs = cosf(ang), sn = sinf(ang);
+        float * v = row + (width - a.n_rot) + 2 * i;
+        const float x0 = v[0], x1 = v[1];
+        v[0] = x0 * cs - x1 * sn;
+        v[1] = x0 * sn + x1 * cs;
+    }
+    __syncthreads();
+    if (a.rounding == 1) fp8_row_shared(row, a.fp8_dims);
+    if (a.rounding == 2) hadamard_fp4_shared(row, width);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = row[i];
+}
+
+// Advances the frontier: afterwards the open rows hold the open block's tokens (empty slots (0, -inf)) and, with
+// overlap, rows [0, R) the last completed block. One thread per (slot, column) reads and writes only its own cells.
+__global__ void compressor_state_kernel(const CompressorArgs a) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t R = a.ratio;
+    if (i >= R * a.wide) return;
+    const int64_t s = i / a.wide, col = i % a.wide;
+    const int64_t p0 = a.positions[0], p_end = a.positions[a.n - 1] + 1;
+    const int64_t b_open = p_end / R, b_old = p0 / R;
+    const int64_t open0 = a.overlap ? R : 0;
+    const int64_t oi = (open0 + s) * a.wide + col;
+    const Candidate old_open{a.state_kv[oi], a.state_score[oi]};
+    const int64_t q = b_open * R + s;
+    Candidate open{0.0f, -INFINITY};
+    if (q < p_end) open = q >= p0 ? chunk_value(a, q, p0, col) : old_open;
+    if (a.overlap && b_open != b_old) {
+        const int64_t qp = (b_open - 1) * R + s;
+        const Candidate prev = qp >= p0 ? chunk_value(a, qp, p0, col) : old_open;
+        a.state_kv[s * a.wide + col] = prev.v;
+        a.state_score[s * a.wide + col] = prev.s;
+    }
+    a.state_kv[oi] = open.v;
+    a.state_score[oi] = open.s;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Indexer
+// ---------------------------------------------------------------------------------------------------------------------
+constexpr int kIdxKeysPerBlock = 32;  // 8 warps × 4 keys
+
+__global__ void indexer_scores_kernel(const IndexerArgs a) {
+    extern __shared__ float smem_idx[];
+    const int64_t t = blockIdx.y;
+    const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+    const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
+    if (visible <= a.top_k || key0 >= visible) return;
+    const int64_t d = a.dim, H = a.heads, qs = d + 4;
+    float * q = smem_idx;    // [H][d + 4]
+    float * w = q + H * qs;  // [H]
+    for (int64_t i = threadIdx.x; i < H * d; i += blockDim.x) q[(i / d) * qs + i % d] = a.q[t * H * d + i];
+    for (int64_t i = threadIdx.x; i < H; i += blockDim.x) w[i] = a.w[t * H + i];
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t kb = key0 + 4 * warp;
+    if (kb >= visible) return;
+    const int nk = int(std::min<int64_t>(4, visible - kb));
+    float sc[4] = {0, 0, 0, 0};
+    for (int64_t h = lane; h < H; h += 32) {
+        float dot[4] = {0, 0, 0, 0};
+        for (int64_t d4 = 0; d4 < d; d4 += 4) {
+            const float4 qv = *reinterpret_cast<const float4 *>(q + h * qs + d4);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (j >= nk) break;
+                const float4 kv = __ldg(reinterpret_cast<const float4 *>(a.keys + (kb + j) * d + d4));
+                dot[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sc[j] += w[h] * fmaxf(0.0f, dot[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float s = warp_sum(sc[j]);
+        if (lane == 0 && j < nk) a.scores[t * a.capacity + kb + j] = s * a.key_scale;
+    }
+}
+
+// Order-preserving key of a score: larger score, larger key; -0 and +0 equal; NaN lowest.
+__device__ __forceinline__ uint32_t score_key(float f) {
+    if (f != f) return 0;
+    const uint32_t b = __float_as_uint(f + 0.0f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Exclusive scan of one flag per thread over the block (blockDim.x = 1024); returns the block total.
+__device__ int block_exclusive_scan(int v, int & excl, int * red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += t;
+    }
+    __syncthreads();
+    if (lane == 31) red[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < int(blockDim.x >> 5) ? red[lane] : 0;
+        int wi = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(kFull, wi, o);
+            if (lane >= o) wi += t;
+        }
+        red[lane] = wi - w;  // exclusive prefix of warp totals
+        if (lane == 31) red[32] = wi;
+    }
+    __syncthreads();
+    excl = red[warp] + incl - v;
+    return red[32];
+}
+
+// The top_k highest scores (ties to the lower row), written ascending: a 4-pass 8-bit radix select finds the
+// k-th key; one ordered pass keeps the rows above it and the first rows equal to it.
+constexpr int kTopkThreads = 1024;
+
+__global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
+    __shared__ int hist[256];
+    __shared__ int red[33];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_remaining;
+    const int64_t t = blockIdx.x;
+    const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+    int32_t * sel = a.selected + t * a.top_k;
+    if (visible <= a.top_k) {
+        for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
+        return;
+    }
+    const float * sc = a.scores + t * a.capacity;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_remaining = int(a.top_k);
+    }
+    uint32_t mask = 0;
+    for (int pass = 0; pass < 4; ++pass) {
+        const int shift = 24 - 8 * pass;
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const uint32_t prefix = s_prefix;
+        for (int64_t i = threadIdx.x; i < visible; i += blockDim.x) {
+            const uint32_t k = score_key(sc[i]);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1);
+        }
+        __syncthreads();
+        // The digit holding the remaining k-th key: warp 0 scans the histogram from the top digit down, each lane
+        // over 8 digits, then the lane where the running count reaches it walks its own 8.
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x, rem = s_remaining;
+            int local = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
+            int incl = local;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(kFull, incl, o);
+                if (lane >= o) incl += v;
+            }
+            const int excl = incl - local;
+            if (excl < rem && incl >= rem) {
+                int cum = excl;
+                for (int j = 0; j < 8; ++j) {
+                    const int dgt = 255 - 8 * lane - j;
+                    if (cum + hist[dgt] >= rem) {
+                        s_prefix = prefix | (uint32_t(dgt) << shift);
+                        s_remaining = rem - cum;
+                        break;
+                    }
+                    cum += hist[dgt];
+                }
+            }
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    const uint32_t thr = s_prefix;
+    const int need_eq = s_remaining;
+    int taken = 0, eq_seen = 0;
+    for (int64_t base = 0; base < visible; base += blockDim.x) {
+        const int64_t i = base + threadIdx.x;
+        const uint32_t k = i < visible ? score_key(sc[i]) : 0;
+        const int gt = i < visible && k > thr, eq = i < visible && k == thr;
+        int eq_rank;
+        const int eq_total = block_exclusive_scan(eq, eq_rank, red);
+        const int take = gt || (eq && eq_seen + eq_rank < need_eq);
+        int out;
+        const int take_total = block_exclusive_scan(take, out, red);
+        if (take) sel[taken + out] = int32_t(i);
+        taken += take_total;
+        eq_seen += eq_total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Sink attention
+// ---------------------------------------------------------------------------------------------------------------------
+constexpr int kAttnWarps = 8;  // heads per block
+
+struct KeyList {
+    int64_t nw, nc, p_lo;
+};
+
+__device__ __forceinline__ KeyList key_list(const AttentionArgs & a, int64_t pos) {
+    KeyList k;
+    k.p_lo = std::max<int64_t>(0, pos - a.window + 1);
+    k.nw = pos - k.p_lo + 1;
+    k.nc = !a.comp ? 0 : a.selected ? a.top_k : std::min<int64_t>((pos + 1) / a.ratio, a.comp_capacity);
+    return k;
+}
+
+// Row j of the token's keys, or null for an unused selection slot.
+__device__ __forceinline__ const float * key_row(const AttentionArgs & a, const KeyList & kl, int64_t t, int64_t j) {
+    if (j < kl.nw) return a.raw + ((kl.p_lo + j) % a.ring) * a.dim;
+    const int64_t jj = j - kl.nw;
+    if (!a.selected) return a.comp + jj * a.dim;
+    const int32_t idx = a.selected[t * a.top_k + jj];
+    return idx >= 0 && idx < a.comp_capacity ? a.comp + int64_t(idx) * a.dim : nullptr;
+}
+
+// One warp per head; the block's 8 heads share the key rows through L1. Keys of the token are split over
+// gridDim.y blocks; with one split the output is final, else a partial (max, denominator, numerator) per split.
+template <int DPL>
+__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const AttentionArgs a, int64_t per_split) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t h = int64_t(blockIdx.x) * kAttnWarps + warp, t = blockIdx.z, split = blockIdx.y;
+    if (h >= a.heads) return;
+    const int64_t d = a.dim;
+    const KeyList kl = key_list(a, a.positions[t]);
+    const int64_t nk = kl.nw + kl.nc;
+    const int64_t j0 = split * per_split, j1 = min(nk, j0 + per_split);
+    const float * qh = a.q + (t * a.heads + h) * d;
+    float qv[DPL], o[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+        const int64_t e = lane + 32 * i;
+        qv[i] = e < d ? qh[e] : 0.0f;
+        o[i] = 0.0f;
+    }
+    float m = -INFINITY, den = 0.0f;
+    for (int64_t j = j0; j < j1; ++j) {
+        const float * k = key_row(a, kl, t, j);
+        if (!k) continue;
+        float kv[DPL];
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+            const int64_t e = lane + 32 * i;
+            kv[i] = e < d ? __ldg(k + e) : 0.0f;
+            dot += qv[i] * kv[i];
+        }
+        const float l = warp_sum(dot) * a.scale;
+        const float m_new = fmaxf(m, l);
+        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+        const float p = expf(l - m_new);
+        den = den * corr + p;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) o[i] = o[i] * corr + p * kv[i];
+        m = m_new;
+    }
+    if (gridDim.y == 1) {
+        const float sink = a.sinks[h];
+        const float mf = fmaxf(m, sink);
+        const float c = m == -INFINITY ? 0.0f : expf(m - mf);
+        const float inv = 1.0f / (den * c + expf(sink - mf));
+        float * out = a.out + (t * a.heads + h) * d;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+            const int64_t e = lane + 32 * i;
+            if (e < d) out[e] = o[i] * c * inv;
+        }
+    } else {
+        float * part = a.partial + ((t * a.heads + h) * gridDim.y + split) * (d + 2);
+        if (lane == 0) {
+            part[0] = m;
+            part[1] = den;
+        }
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+            const int64_t e = lane + 32 * i;
+            if (e < d) part[2 + e] = o[i];
+        }
+    }
+}
+
+__global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t th = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+    if (th >= a.n * a.heads) return;
+    const int64_t h = th % a.heads, d = a.dim;
+    const float * part = a.partial + th * splits * (d + 2);
+    const float sink = a.sinks[h];
+    float mf = sink;
+    for (int s = 0; s < splits; ++s) mf = fmaxf(mf, part[s * (d + 2)]);
+    float den = expf(sink - mf);
+    for (int s = 0; s < splits; ++s) {
+        const float ms = part[s * (d + 2)];
+        if (ms != -INFINITY) den += part[s * (d + 2) + 1] * expf(ms - mf);
+    }
+    const float inv = 1.0f / den;
+    for (int64_t e = lane; e < d; e += 32) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = part[s * (d + 2)];
+            if (ms != -INFINITY) acc += part[s * (d + 2) + 2 + e] * expf(ms - mf);
+        }
+        a.out[th * d + e] = acc * inv;
+    }
+}
+
+int64_t max_keys(const AttentionArgs & a) { return a.window + (!a.comp ? 0 : a.selected ? a.top_k : a.comp_capacity); }
+
+}  // namespace
+
+void store_rows(float * ring, int64_t ring_rows, const float * rows, int64_t n, int64_t width,
+                const int32_t * positions, cudaStream_t s) {
+    if (n * width > 0)
+        store_rows_kernel<<<blocks_for(n * width, 256), 256, 0, s>>>(ring, ring_rows, rows, n, width, positions);
+}
+
+void compressor_update(const CompressorArgs & a, cudaStream_t s) {
+    if (a.n <= 0) return;
+    const int64_t width = a.overlap ? a.wide / 2 : a.wide;
+    compressor_pool_kernel<<<dim3(blocks_for(width, 128), unsigned(a.n)), 128, 0, s>>>(a);
+    compressor_finish_kernel<<<unsigned(a.n), 128, size_t(width) * sizeof(float), s>>>(a);
+    compressor_state_kernel<<<blocks_for(a.ratio * a.wide, 256), 256, 0, s>>>(a);
+}
+
+void indexer_select(const IndexerArgs & a, cudaStream_t s) {
+    if (a.n <= 0) return;
+    const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
+    if (smem > 48 * 1024)
+        cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (a.capacity > a.top_k)
+        indexer_scores_kernel<<<dim3(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n)), 256, smem, s>>>(a);
+    indexer_topk_kernel<<<unsigned(a.n), kTopkThreads, 0, s>>>(a);
+}
+
+int attention_splits(const AttentionArgs & a) {
+    const int64_t groups = (a.heads + kAttnWarps - 1) / kAttnWarps;
+    const int64_t want = (int64_t(device_sms()) * 2 + a.n * groups - 1) / (a.n * groups);
+    const int64_t most = std::max<int64_t>(1, (max_keys(a) + 31) / 32);
+    return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 64)));
+}
+
+int64_t attention_partial_floats(const AttentionArgs & a) {
+    const int splits = attention_splits(a);
+    return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
+}
+
+void attention(const AttentionArgs & a, cudaStream_t s) {
+    if (a.n <= 0) return;
+    const int splits = attention_splits(a);
+    const int64_t per_split = (max_keys(a) + splits - 1) / splits;
+    const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));
+    const int dpl = int((a.dim + 31) / 32);
+    if (dpl <= 1)
+        attention_kernel<1><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+    else if (dpl <= 2)
+        attention_kernel<2><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+    else if (dpl <= 4)
+        attention_kernel<4><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+    else if (dpl <= 8)
+        attention_kernel<8><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+    else
+        attention_kernel<16><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+    if (splits > 1) attention_combine_kernel<<<blocks_for(a.n * a.heads * 32, 256), 256, 0, s>>>(a, splits);
+}
+
+}  // namespace dsv4::cuda

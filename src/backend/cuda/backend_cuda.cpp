@@ -1,0 +1,747 @@
+// The CUDA backend's host side: device memory, the weight upload (pinned staging, re-layout of quantized
+// blocks), the scratch arena, CUDA graphs for run_captured, and the translation of each op into kernel
+// launches (kernels.h). All work is ordered on one stream; only write(), read() and synchronize() wait.
+#include "backend/cuda.h"
+#include "backend/cuda/kernels.h"
+// The IQ2_XXS grid and signs are format constants defined once in format/quant_tables.cpp.
+#include "format/quant_impl.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/timer.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <unordered_map>
+
+namespace dsv4 {
+
+namespace {
+
+void check(cudaError_t e, const char * what) {
+    if (e != cudaSuccess) fail("cuda: {} failed: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
+
+class CudaBackend;
+
+class DeviceBuffer final : public BackendBuffer {
+  public:
+    DeviceBuffer(CudaBackend * owner, void * ptr, size_t size) : owner_(owner), ptr_(ptr), size_(size) {}
+    ~DeviceBuffer() override;
+    void * data() override { return ptr_; }
+    size_t size() const override { return size_; }
+
+  private:
+    CudaBackend * owner_;
+    void * ptr_;
+    size_t size_;
+};
+
+// Pinned host staging for uploads: two slots, so the copy of one chunk into a slot overlaps the transfer of the
+// other. Quantized blocks land in a device staging slot and are re-laid from there.
+constexpr size_t kStageBytes = size_t(64) << 20;
+
+class CudaBackend final : public Backend {
+  public:
+    explicit CudaBackend(const CudaBackendOptions & o) : dev_(o.device), graphs_enabled_(o.graphs) {
+        int count = 0;
+        check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+        DSV4_CHECK(dev_ >= 0 && dev_ < count, "cuda: device {} does not exist ({} device(s))", dev_, count);
+        check(cudaSetDevice(dev_), "cudaSetDevice");
+        cudaDeviceProp prop;
+        check(cudaGetDeviceProperties(&prop, dev_), "cudaGetDeviceProperties");
+        name_ = fmt::format("cuda ({}, sm_{}{}, {:.0f} GiB)", prop.name, prop.major, prop.minor,
+                            double(prop.totalGlobalMem) / double(1ull << 30));
+        check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+        if (const char * env = std::getenv("DSV4_CUDA_GRAPHS")) graphs_enabled_ = std::strcmp(env, "0") != 0;
+        if (const char * env = std::getenv("DSV4_CUDA_PROFILE")) profile_ = std::strcmp(env, "0") != 0;
+        if (profile_) graphs_enabled_ = false;  // op timings need eager launches
+
+        // IQ2_XXS tables, with the sign bytes expanded to byte masks for the integer kernels.
+        cuda::Iq2Tables t{};
+        for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
+        for (int s = 0; s < 128; ++s) {
+            t.signs[s] = quant_detail::kIq2.signs[s];
+            uint64_t m = 0;
+            for (int e = 0; e < 8; ++e)
+                if ((t.signs[s] >> e) & 1) m |= uint64_t(0xff) << (8 * e);
+            t.sign_mask[s] = m;
+        }
+        check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
+        check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
+    }
+
+    ~CudaBackend() override {
+        cudaSetDevice(dev_);
+        cudaStreamSynchronize(stream_);
+        if (profile_) print_profile();
+        drop_graphs();
+        for (int i = 0; i < 2; ++i) {
+            if (pinned_[i]) cudaFreeHost(pinned_[i]);
+            if (dev_stage_[i]) cudaFree(dev_stage_[i]);
+            if (staged_[i]) cudaEventDestroy(staged_[i]);
+        }
+        if (scratch_) cudaFree(scratch_);
+        cudaFree(iq2_);
+        cudaStreamDestroy(stream_);
+        if (uploaded_ > 0)
+            log_info("cuda: uploaded {:.2f} GB of weights in {:.1f} s ({:.2f} GB/s)", double(uploaded_) / 1e9,
+                     upload_seconds_, double(uploaded_) / 1e9 / std::max(upload_seconds_, 1e-9));
+    }
+
+    std::string name() const override { return name_; }
+
+    // ---- memory ----------------------------------------------------------------------------------------------
+    std::unique_ptr<BackendBuffer> alloc(size_t bytes) override {
+        bind();
+        void * p = nullptr;
+        const cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            const CudaMemoryInfo m = cuda_memory_info(dev_);
+            fail("cuda: cannot allocate {:.3f} GB on device {} ({:.3f} GB free of {:.3f} GB): {}", double(bytes) / 1e9,
+                 dev_, double(m.free_bytes) / 1e9, double(m.total_bytes) / 1e9, cudaGetErrorString(e));
+        }
+        return std::make_unique<DeviceBuffer>(this, p, bytes);
+    }
+
+    Tensor upload_weight(const Tensor & host, std::unique_ptr<BackendBuffer> * storage) override {
+        bind();
+        const Timer timer;
+        const size_t bytes = host.n_bytes();
+        *storage = alloc(bytes);
+        Tensor t = host;
+        t.data = (*storage)->data();
+        const cuda::BlockSplit sp = cuda::block_split(host.type);
+        const size_t chunk =
+            sp.payload_bytes ? kStageBytes / size_t(sp.block_bytes) * size_t(sp.block_bytes) : kStageBytes;
+        const int64_t total_blocks = sp.payload_bytes ? int64_t(bytes / size_t(sp.block_bytes)) : 0;
+        for (size_t off = 0; off < bytes; off += chunk) {
+            const size_t n = std::min(chunk, bytes - off);
+            const int slot = stage_next_;
+            stage_next_ ^= 1;
+            uint8_t * pinned = stage_slot(slot);
+            check(cudaEventSynchronize(staged_[slot]), "cudaEventSynchronize(staging)");
+            std::memcpy(pinned, static_cast<const uint8_t *>(host.data) + off, n);
+            if (sp.payload_bytes) {
+                check(cudaMemcpyAsync(dev_stage_[slot], pinned, n, cudaMemcpyHostToDevice, stream_), "upload");
+                cuda::repack_blocks(host.type, dev_stage_[slot], static_cast<uint8_t *>(t.data),
+                                    int64_t(off / size_t(sp.block_bytes)), int64_t(n / size_t(sp.block_bytes)),
+                                    total_blocks, stream_);
+                check(cudaGetLastError(), "repack_blocks");
+            } else {
+                check(cudaMemcpyAsync(static_cast<uint8_t *>(t.data) + off, pinned, n, cudaMemcpyHostToDevice, stream_),
+                      "upload");
+            }
+            check(cudaEventRecord(staged_[slot], stream_), "cudaEventRecord");
+        }
+        uploaded_ += bytes;
+        upload_seconds_ += timer.seconds();
+        if (uploaded_ / (size_t(8) << 30) != (uploaded_ - bytes) / (size_t(8) << 30))
+            log_info("cuda: {:.1f} GB of weights uploaded ({:.2f} GB/s)", double(uploaded_) / 1e9,
+                     double(uploaded_) / 1e9 / std::max(upload_seconds_, 1e-9));
+        return t;
+    }
+
+    void write(const Tensor & dst, const void * host, size_t bytes, size_t offset) override {
+        bind();
+        DSV4_CHECK(!capturing_, "cuda: write() inside a captured sequence");
+        check(cudaMemcpyAsync(static_cast<uint8_t *>(dst.data) + offset, host, bytes, cudaMemcpyHostToDevice, stream_),
+              "write");
+        check(cudaStreamSynchronize(stream_), "write (synchronize)");
+    }
+    void read(const Tensor & src, void * host, size_t bytes, size_t offset) override {
+        bind();
+        DSV4_CHECK(!capturing_, "cuda: read() inside a captured sequence");
+        check(cudaMemcpyAsync(host, static_cast<const uint8_t *>(src.data) + offset, bytes, cudaMemcpyDeviceToHost,
+                              stream_),
+              "read");
+        check(cudaStreamSynchronize(stream_), "read (synchronize)");
+        if (profile_) collect_timings();
+    }
+    void copy(const Tensor & dst, const Tensor & src, size_t bytes, size_t dst_offset, size_t src_offset) override {
+        check(cudaMemcpyAsync(static_cast<uint8_t *>(dst.data) + dst_offset,
+                              static_cast<const uint8_t *>(src.data) + src_offset, bytes, cudaMemcpyDeviceToDevice,
+                              stream_),
+              "copy");
+    }
+    void fill(const Tensor & dst, float value) override {
+        cuda::fill_f32(dst.f32(), dst.n_elements(), value, stream_);
+        launched("fill");
+    }
+    void synchronize() override {
+        bind();
+        check(cudaStreamSynchronize(stream_), "synchronize");
+    }
+
+    // The first call of a key runs eagerly (it sizes the scratch arena); the second captures the sequence into a
+    // graph; later calls replay it. Freeing any buffer or growing the scratch drops every graph.
+    void run_captured(uint64_t key, const std::function<void()> & ops) override {
+        bind();
+        if (!graphs_enabled_) return ops();
+        auto it = graphs_.find(key);
+        if (it == graphs_.end()) {
+            graphs_.emplace(key, nullptr);
+            return ops();
+        }
+        if (!it->second) {
+            check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "cudaStreamBeginCapture");
+            capturing_ = true;
+            cudaGraph_t graph = nullptr;
+            try {
+                ops();
+            } catch (...) {
+                capturing_ = false;
+                cudaStreamEndCapture(stream_, &graph);
+                if (graph) cudaGraphDestroy(graph);
+                cudaGetLastError();
+                throw;
+            }
+            capturing_ = false;
+            check(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
+            cudaGraphExec_t exec = nullptr;
+            const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+            cudaGraphDestroy(graph);
+            check(e, "cudaGraphInstantiate");
+            it = graphs_.find(key);  // ops() may have dropped the graphs (buffers freed); re-insert
+            if (it == graphs_.end()) it = graphs_.emplace(key, nullptr).first;
+            it->second = exec;
+        }
+        check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch");
+    }
+
+    // ---- dense ops -------------------------------------------------------------------------------------------
+    void get_rows(const Tensor & table, const Tensor & ids, const Tensor & out) override {
+        const OpScope scope(*this, "get_rows");
+        cuda::get_rows(ref(table), ids.i32(), ids.n_elements(), out.f32(), stream_);
+        launched("get_rows");
+    }
+
+    void matmul(const Tensor & w, const Tensor & x, const Tensor & y) override {
+        const OpScope scope(*this, matmul_name(w, x));
+        cuda::MatvecArgs a;
+        a.w = ref(w);
+        a.rows = w.ne[1];
+        a.x = x.f32();
+        a.x_stride = x.ne[0];
+        a.y = y.f32();
+        a.y_stride = y.ne[0];
+        a.n = x.rows();
+        run_matvec(a);
+    }
+
+    void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) override {
+        const OpScope scope(*this, "matmul_grouped " + matmul_name(w, x));
+        cuda::MatvecArgs a;
+        a.w = ref(w);
+        a.rows = w.ne[1] / groups;
+        a.groups = int(groups);
+        a.x = x.f32();
+        a.x_stride = x.ne[0];
+        a.y = y.f32();
+        a.y_stride = y.ne[0];
+        a.n = x.rows();
+        run_matvec(a);
+    }
+
+    void rms_norm(const Tensor & x, const Tensor & gamma, const Tensor & y, float eps) override {
+        const OpScope scope(*this, "rms_norm");
+        cuda::rms_norm(x.f32(), gamma ? gamma.f32() : nullptr, y.f32(), x.rows(), x.ne[0], eps, stream_);
+        launched("rms_norm");
+    }
+
+    void rope(const Tensor & x, const RopeSpec & spec, const Tensor & positions, bool inverse) override {
+        const OpScope scope(*this, "rope");
+        const int64_t heads = x.ne[1];
+        cuda::rope(x.f32(), x.rows() / heads, heads, x.ne[0], spec.inv_freq.f32(), spec.n_rot, positions.i32(), inverse,
+                   stream_);
+        launched("rope");
+    }
+
+    void add(const Tensor & a, const Tensor & b, const Tensor & out) override {
+        const OpScope scope(*this, "add");
+        cuda::add(a.f32(), b.f32(), out.f32(), out.n_elements(), stream_);
+        launched("add");
+    }
+
+    void swiglu(const Tensor & gate, const Tensor & up, const Tensor & out, float limit) override {
+        const OpScope scope(*this, "swiglu");
+        cuda::swiglu(gate.f32(), up.f32(), out.f32(), out.n_elements(), limit, stream_);
+        launched("swiglu");
+    }
+
+    void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
+        const OpScope scope(*this, "fp8_roundtrip");
+        cuda::fp8_roundtrip(x.f32(), x.rows(), x.ne[0], n_dims, stream_);
+        launched("fp8_roundtrip");
+    }
+
+    void hadamard_fp4_roundtrip(const Tensor & x) override {
+        const OpScope scope(*this, "hadamard_fp4_roundtrip");
+        const int64_t w = x.ne[0];
+        DSV4_CHECK(w > 0 && (w & (w - 1)) == 0, "cuda hadamard_fp4_roundtrip: width {} is not a power of two", w);
+        cuda::hadamard_fp4_roundtrip(x.f32(), x.rows(), w, stream_);
+        launched("hadamard_fp4_roundtrip");
+    }
+
+    // ---- hyper-connections -----------------------------------------------------------------------------------
+    void hc_expand(const Tensor & x, const Tensor & streams) override {
+        const OpScope scope(*this, "hc_expand");
+        cuda::hc_expand(x.f32(), streams.f32(), x.rows(), streams.ne[1], x.ne[0], stream_);
+        launched("hc_expand");
+    }
+
+    void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
+                float eps_hc, float eps_norm, const Tensor & y, const Tensor & post, const Tensor & comb) override {
+        const OpScope scope(*this, "hc_pre");
+        cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, y, false);
+        a.iters = iters;
+        a.post = post.f32();
+        a.comb = comb.f32();
+        cuda::hc_mix(a, stream_);
+        launched("hc_pre");
+    }
+
+    void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
+                 const Tensor & out) override {
+        const OpScope scope(*this, "hc_post");
+        const int64_t hc = streams.ne[1];
+        cuda::hc_post(streams.f32(), o.f32(), post.f32(), comb.f32(), out.f32(), streams.rows() / hc, hc, streams.ne[0],
+                      stream_);
+        launched("hc_post");
+    }
+
+    void hc_head(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, float eps_hc,
+                 float eps_norm, const Tensor & z) override {
+        const OpScope scope(*this, "hc_head");
+        cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, z, true);
+        cuda::hc_mix(a, stream_);
+        launched("hc_head");
+    }
+
+    // ---- attention -------------------------------------------------------------------------------------------
+    void store_rows(const Tensor & ring, const Tensor & rows, const Tensor & positions) override {
+        const OpScope scope(*this, "store_rows");
+        cuda::store_rows(ring.f32(), ring.rows(), rows.f32(), rows.rows(), rows.ne[0], positions.i32(), stream_);
+        launched("store_rows");
+    }
+
+    void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape, const Tensor & state_kv,
+                           const Tensor & state_score, const Tensor & positions, int64_t ratio, bool overlap,
+                           const CompressedRowFinish & finish, const Tensor & store) override {
+        const OpScope scope(*this, "compressor_update");
+        cuda::CompressorArgs a;
+        a.kv = kv.f32();
+        a.score = score.f32();
+        a.ape = ref(ape);
+        a.state_kv = state_kv.f32();
+        a.state_score = state_score.f32();
+        a.positions = positions.i32();
+        a.n = kv.rows();
+        a.ratio = ratio;
+        a.wide = kv.ne[0];
+        a.overlap = overlap;
+        a.norm = finish.norm.f32();
+        a.eps = finish.eps;
+        a.inv_freq = finish.rope.inv_freq.f32();
+        a.n_rot = finish.rope.n_rot;
+        a.rounding = finish.rounding == RowRounding::fp8 ? 1 : finish.rounding == RowRounding::hadamard_fp4 ? 2 : 0;
+        a.fp8_dims = finish.fp8_dims;
+        a.store = store.f32();
+        a.capacity = store.rows();
+        const int64_t width = overlap ? a.wide / 2 : a.wide;
+        DSV4_CHECK(a.rounding != 2 || (width & (width - 1)) == 0,
+                   "cuda compressor_update: Hadamard rounding needs a power-of-two width (got {})", width);
+        cuda::compressor_update(a, stream_);
+        launched("compressor_update");
+    }
+
+    void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, const Tensor & positions,
+                        int64_t ratio, float key_scale, const Tensor & selected) override {
+        const OpScope scope(*this, "indexer_select");
+        cuda::IndexerArgs a;
+        a.heads = q.ne[1];
+        a.dim = q.ne[0];
+        a.capacity = keys.rows();
+        a.ratio = ratio;
+        a.top_k = selected.ne[0];
+        a.key_scale = key_scale;
+        DSV4_CHECK(a.dim % 4 == 0, "cuda indexer_select: key width {} is not a multiple of 4", a.dim);
+        const int64_t n = q.rows() / a.heads;
+        // Scores of a group of tokens over every stored row; groups bound the scratch at long contexts.
+        const int64_t group = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(a.capacity, 1), 1, n);
+        float * scores = static_cast<float *>(scratch(size_t(group * a.capacity) * sizeof(float)));
+        for (int64_t t0 = 0; t0 < n; t0 += group) {
+            a.n = std::min(group, n - t0);
+            a.q = q.f32() + t0 * a.heads * a.dim;
+            a.w = w.f32() + t0 * a.heads;
+            a.keys = keys.f32();
+            a.positions = positions.i32() + t0;
+            a.selected = selected.i32() + t0 * a.top_k;
+            a.scores = scores;
+            cuda::indexer_select(a, stream_);
+        }
+        launched("indexer_select");
+    }
+
+    void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
+                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) override {
+        const OpScope scope(*this, "attention");
+        cuda::AttentionArgs a;
+        a.dim = q.ne[0];
+        a.heads = q.ne[1];
+        a.n = q.rows() / a.heads;
+        DSV4_CHECK(a.dim <= 512, "cuda attention: head width {} is more than 512", a.dim);
+        a.q = q.f32();
+        a.raw = raw.f32();
+        a.ring = raw.rows();
+        a.positions = positions.i32();
+        a.window = window;
+        if (comp.rows) {
+            a.comp = comp.rows.f32();
+            a.comp_capacity = comp.rows.rows();
+            a.ratio = comp.ratio;
+            if (comp.selected) {
+                a.selected = comp.selected.i32();
+                a.top_k = comp.selected.ne[0];
+            }
+        }
+        a.sinks = sinks.f32();
+        a.scale = scale;
+        a.out = out.f32();
+        a.partial = static_cast<float *>(scratch(size_t(cuda::attention_partial_floats(a)) * sizeof(float)));
+        cuda::attention(a, stream_);
+        launched("attention");
+    }
+
+    // ---- mixture of experts ----------------------------------------------------------------------------------
+    void router(const Tensor & logits, const Tensor & bias, const Tensor & tid2eid, const Tensor & tokens,
+                float route_scale, const Tensor & experts, const Tensor & weights) override {
+        const OpScope scope(*this, "router");
+        cuda::router(logits.f32(), bias ? bias.f32() : nullptr, tid2eid ? tid2eid.i32() : nullptr,
+                     tokens ? tokens.i32() : nullptr, logits.rows(), logits.ne[0], experts.ne[0], route_scale,
+                     experts.i32(), weights.f32(), stream_);
+        launched("router");
+    }
+
+    void moe(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate, const Tensor & up,
+             const Tensor & down, float limit, const Tensor & out) override {
+        const OpScope scope(*this, "moe");
+        const int64_t n = x.rows(), dim = x.ne[0], inner = gate.ne[1], n_expert = gate.ne[2], k = experts.ne[0];
+        const int64_t n_pairs = n * k;
+        cuda::MatvecArgs g;
+        g.w = ref(gate);
+        g.w_up = ref(up);
+        g.glu = true;
+        g.limit = limit;
+        g.rows = inner;
+        g.x = x.f32();
+        g.x_stride = dim;
+        g.src_div = int(k);
+        cuda::MatvecArgs d;
+        d.w = ref(down);
+        d.rows = dim;
+        d.x_stride = inner;
+        d.y_stride = dim;
+        d.src_div = 1;
+        const int nt = std::min(cuda::matvec_tile_tokens(g, n), cuda::matvec_tile_tokens(d, n));
+        const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
+        // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and the
+        // quantized activations of x (per token) and of the hidden rows (per pair).
+        auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
+        const size_t ints = size_t(n_pairs + 3 * max_tiles + 1);
+        const size_t ints_bytes = round_up(ints * sizeof(int32_t));
+        const size_t h_bytes = round_up(size_t(n_pairs * inner) * sizeof(float));
+        const size_t y_bytes = round_up(size_t(n_pairs * dim) * sizeof(float));
+        const size_t xq_bytes = round_up(size_t(cuda::matvec_act_bytes(gate.type, dim, n)));
+        const size_t hq_bytes = round_up(size_t(cuda::matvec_act_bytes(down.type, inner, n_pairs)));
+        uint8_t * base = static_cast<uint8_t *>(scratch(ints_bytes + h_bytes + y_bytes + xq_bytes + hq_bytes));
+        int32_t * pairs = reinterpret_cast<int32_t *>(base);
+        int32_t * tiles = pairs + n_pairs;
+        int32_t * n_tiles = tiles + 3 * max_tiles;
+        float * h = reinterpret_cast<float *>(base + ints_bytes);
+        float * ybuf = reinterpret_cast<float *>(base + ints_bytes + h_bytes);
+        uint8_t * xq = base + ints_bytes + h_bytes + y_bytes;
+        uint8_t * hq = xq + xq_bytes;
+        cuda::moe_plan(experts.i32(), n_pairs, n_expert, nt, pairs, tiles, n_tiles, stream_);
+        launched("moe_plan");
+        g.y = h;
+        g.y_stride = inner;
+        g.xq = xq;
+        d.x = h;
+        d.y = ybuf;
+        d.xq = hq;
+        cuda::matvec_quantize(gate.type, x.f32(), dim, n, 1, dim, xq, stream_);
+        for (cuda::MatvecArgs * a : {&g, &d}) {
+            if (a == &d) cuda::matvec_quantize(down.type, h, inner, n_pairs, 1, inner, hq, stream_);
+            a->tiles = tiles;
+            a->n_tiles = n_tiles;
+            a->pairs = pairs;
+            cuda::matvec(*a, max_tiles, nt, stream_);
+            launched(a == &g ? "moe gate/up" : "moe down");
+        }
+        cuda::moe_combine(ybuf, experts.i32(), weights.f32(), n, k, n_expert, dim, out.f32(), stream_);
+        launched("moe_combine");
+    }
+
+    // Called by DeviceBuffer: a freed buffer may be referenced by a captured graph.
+    void release(void * p) {
+        cudaSetDevice(dev_);
+        cudaStreamSynchronize(stream_);
+        drop_graphs();
+        cudaFree(p);
+    }
+
+  private:
+    // DSV4_CUDA_PROFILE=1: every op is bracketed by events; totals per op name print when the backend closes.
+    class OpScope {
+      public:
+        OpScope(CudaBackend & b, std::string name) : b_(b) {
+            if (!b_.profile_) return;
+            name_ = std::move(name);
+            start_ = b_.event();
+            cudaEventRecord(start_, b_.stream_);
+        }
+        ~OpScope() {
+            if (!b_.profile_) return;
+            cudaEvent_t end = b_.event();
+            cudaEventRecord(end, b_.stream_);
+            b_.timings_.push_back({std::move(name_), start_, end});
+        }
+
+      private:
+        CudaBackend & b_;
+        std::string name_;
+        cudaEvent_t start_ = nullptr;
+    };
+    struct Timing {
+        std::string name;
+        cudaEvent_t start, end;
+    };
+
+    cudaEvent_t event() {
+        if (!free_events_.empty()) {
+            cudaEvent_t e = free_events_.back();
+            free_events_.pop_back();
+            return e;
+        }
+        cudaEvent_t e = nullptr;
+        check(cudaEventCreate(&e), "cudaEventCreate");
+        return e;
+    }
+    void collect_timings() {
+        if (timings_.empty()) return;
+        cudaEventSynchronize(timings_.back().end);
+        for (Timing & t : timings_) {
+            float ms = 0;
+            cudaEventElapsedTime(&ms, t.start, t.end);
+            auto & [count, total] = profile_totals_[t.name];
+            ++count;
+            total += ms;
+            free_events_.push_back(t.start);
+            free_events_.push_back(t.end);
+        }
+        timings_.clear();
+    }
+    void print_profile() {
+        collect_timings();
+        std::vector<std::pair<std::string, std::pair<int64_t, double>>> rows(profile_totals_.begin(),
+                                                                             profile_totals_.end());
+        std::sort(rows.begin(), rows.end(), [](auto & a, auto & b) { return a.second.second > b.second.second; });
+        double all = 0;
+        for (auto & r : rows) all += r.second.second;
+        std::fprintf(stderr, "cuda profile: %.3f ms in %zu op kinds\n", all, rows.size());
+        for (auto & [name, ct] : rows)
+            std::fprintf(stderr, "  %9.3f ms %5.1f %%  %7ld calls  %8.2f us/call  %s\n", ct.second,
+                         100 * ct.second / all, ct.first, 1e3 * ct.second / double(ct.first), name.c_str());
+        for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+        free_events_.clear();
+    }
+    static std::string matmul_name(const Tensor & w, const Tensor & x) {
+        return fmt::format("matmul {} [{} -> {}] n={}", type_name(w.type), w.ne[0], w.ne[1], x.rows());
+    }
+
+    void bind() const { cudaSetDevice(dev_); }
+
+    void launched(const char * what) { check(cudaGetLastError(), what); }
+
+    cuda::WeightRef ref(const Tensor & t) const {
+        cuda::WeightRef r;
+        r.data = static_cast<const uint8_t *>(t.data);
+        r.type = t.type;
+        r.ne0 = t.ne[0];
+        const TypeTraits & tr = type_traits(t.type);
+        r.n_blocks = tr.block_elems > 0 ? t.n_elements() / tr.block_elems : 0;
+        r.iq2 = iq2_;
+        return r;
+    }
+
+    void run_matvec(cuda::MatvecArgs & a) {
+        if (a.n <= 0) return;
+        DSV4_CHECK(is_float_type(a.w.type) || a.w.type == GgmlType::Q8_0 || a.w.type == GgmlType::Q2_K ||
+                       a.w.type == GgmlType::Q4_K || a.w.type == GgmlType::IQ2_XXS || a.w.type == GgmlType::MXFP4,
+                   "cuda matmul: weight type {} is not supported", type_name(a.w.type));
+        const int64_t act = cuda::matvec_act_bytes(a.w.type, a.w.ne0, a.n * a.groups);
+        if (act > 0) {
+            uint8_t * xq = static_cast<uint8_t *>(scratch(size_t(act)));
+            cuda::matvec_quantize(a.w.type, a.x, a.x_stride, a.n, a.groups, a.w.ne0, xq, stream_);
+            a.xq = xq;
+        }
+        const int nt = cuda::matvec_tile_tokens(a, a.n);
+        cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
+        launched("matmul");
+    }
+
+    cuda::HcArgs hc_args(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
+                         float eps_hc, float eps_norm, const Tensor & y, bool head) {
+        cuda::HcArgs a;
+        a.hc = streams.ne[1];
+        a.width = streams.ne[0];
+        a.n = streams.rows() / a.hc;
+        a.streams = streams.f32();
+        a.fn = ref(fn);
+        a.scale = scale.f32();
+        a.base = base.f32();
+        a.eps_hc = eps_hc;
+        a.eps_norm = eps_norm;
+        a.head = head;
+        a.y = y.f32();
+        const int64_t n_mix = cuda::hc_n_mix(a.hc, head);
+        DSV4_CHECK(n_mix <= cuda::kHcMaxMix && a.hc <= 16 && fn.ne[1] == n_mix && fn.ne[0] == a.hc * a.width,
+                   "cuda hyper-connections: {} streams of {} (mixing matrix [{}, {}]) are not supported", a.hc, a.width,
+                   fn.ne[0], fn.ne[1]);
+        a.partial =
+            static_cast<float *>(scratch(size_t(cuda::hc_partial_floats(a.n, a.hc, a.width, n_mix)) * sizeof(float)));
+        return a;
+    }
+
+    // One arena for every op's temporaries (ops run in stream order, so each reuses it from the start). It only
+    // grows, outside captures: the first run of a captured sequence is eager and sizes it.
+    void * scratch(size_t bytes) {
+        bytes = std::max<size_t>(bytes, 256);
+        if (bytes <= scratch_size_) return scratch_;
+        DSV4_CHECK(!capturing_, "cuda: scratch arena would grow inside a captured sequence ({} bytes)", bytes);
+        check(cudaStreamSynchronize(stream_), "synchronize (scratch)");
+        drop_graphs();
+        if (scratch_) cudaFree(scratch_);
+        scratch_ = nullptr;
+        const size_t want = bytes + bytes / 4;
+        check(cudaMalloc(&scratch_, want), "cudaMalloc(scratch)");
+        scratch_size_ = want;
+        return scratch_;
+    }
+
+    uint8_t * stage_slot(int slot) {
+        if (!pinned_[slot]) {
+            check(cudaMallocHost(&pinned_[slot], kStageBytes), "cudaMallocHost(staging)");
+            check(cudaMalloc(&dev_stage_[slot], kStageBytes), "cudaMalloc(staging)");
+            check(cudaEventCreateWithFlags(&staged_[slot], cudaEventDisableTiming), "cudaEventCreate");
+            check(cudaEventRecord(staged_[slot], stream_), "cudaEventRecord");
+        }
+        return static_cast<uint8_t *>(pinned_[slot]);
+    }
+
+    void drop_graphs() {
+        for (auto & [key, exec] : graphs_)
+            if (exec) cudaGraphExecDestroy(exec);
+        graphs_.clear();
+    }
+
+    int dev_;
+    bool graphs_enabled_;
+    std::string name_;
+    cudaStream_t stream_ = nullptr;
+    cuda::Iq2Tables * iq2_ = nullptr;
+    void * scratch_ = nullptr;
+    size_t scratch_size_ = 0;
+    void * pinned_[2] = {nullptr, nullptr};
+    uint8_t * dev_stage_[2] = {nullptr, nullptr};
+    cudaEvent_t staged_[2] = {nullptr, nullptr};
+    int stage_next_ = 0;
+    size_t uploaded_ = 0;
+    double upload_seconds_ = 0;
+    bool capturing_ = false;
+    std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
+    bool profile_ = false;
+    std::vector<Timing> timings_;
+    std::vector<cudaEvent_t> free_events_;
+    std::map<std::string, std::pair<int64_t, double>> profile_totals_;
+};
+
+DeviceBuffer::~DeviceBuffer() { owner_->release(ptr_); }
+
+}  // namespace
+
+int cuda_device_count() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const CudaBackendOptions & options) {
+    return std::make_unique<CudaBackend>(options);
+}
+
+CudaMemoryInfo cuda_memory_info(int device) {
+    CudaMemoryInfo m;
+    int cur = 0;
+    if (cudaGetDevice(&cur) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+        cudaGetLastError();
+        return m;
+    }
+    size_t f = 0, t = 0;
+    if (cudaMemGetInfo(&f, &t) == cudaSuccess) {
+        m.free_bytes = f;
+        m.total_bytes = t;
+    } else {
+        cudaGetLastError();
+    }
+    cudaSetDevice(cur);
+    return m;
+}
+
+std::string cuda_device_summary() {
+    int rt = 0, drv = 0;
+    cudaRuntimeGetVersion(&rt);
+    cudaDriverGetVersion(&drv);
+    std::string s =
+        fmt::format("CUDA runtime {}.{}, driver {}.{}", rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10);
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return s + fmt::format("; no GPU ({})", cudaGetErrorString(e));
+    }
+    if (n == 0) return s + "; no GPU";
+    for (int i = 0; i < n; ++i) {
+        cudaDeviceProp p;
+        if (cudaGetDeviceProperties(&p, i) != cudaSuccess) continue;
+        s += fmt::format("\n  gpu {}: {}, sm_{}{}, {:.1f} GiB, {} SMs{}", i, p.name, p.major, p.minor,
+                         double(p.totalGlobalMem) / double(1ull << 30), p.multiProcessorCount,
+                         p.integrated ? ", integrated (unified memory)" : "");
+    }
+    return s;
+}
+
+uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
+    const uint64_t f = sizeof(float);
+    const uint64_t pairs = uint64_t(s.n_ubatch * s.n_expert_used);
+    // Hidden and output rows per pair (f32), their 8-bit copies (codes, scales, sums: < 1.5 bytes a value), ids.
+    const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f + (pairs * uint64_t(s.expert_ff) +
+                         uint64_t(s.n_ubatch * s.n_embd)) * 3 / 2 + pairs * 16 + (1 << 20);
+    const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
+    const uint64_t idx = std::min<uint64_t>(uint64_t(s.n_ubatch) * rows * f, uint64_t(256) << 20);
+    // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
+    const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
+    return std::max({moe, idx, attn});
+}
+
+}  // namespace dsv4

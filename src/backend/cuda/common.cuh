@@ -1,0 +1,271 @@
+// Device helpers shared by the kernel files: number formats (bit-exact ports of format/quant's scalar rules),
+// weight element access in the upload layout, warp and block reductions.
+#pragma once
+
+#include "backend/cuda/kernels.h"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include <cstdint>
+
+namespace dsv4::cuda {
+
+constexpr unsigned kFull = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Scalars
+// ---------------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+// 2^(e-128): the scale of an MXFP4 block whose codes index the doubled E2M1 table.
+__device__ __forceinline__ float e8m0_half(uint8_t e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23);
+}
+__device__ __forceinline__ float pow2i(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
+
+// quant.cpp's round_clamp: nearest-even integer clamped to [lo, hi]; NaN gives 0.
+__device__ __forceinline__ int round_clamp(float v, int lo, int hi) {
+    if (v != v) return 0;
+    if (v <= float(lo)) return lo;
+    if (v >= float(hi)) return hi;
+    return __float2int_rn(v);
+}
+
+// ceil(log2(x)) for x > 0 from the bits (quant.cpp's ceil_log2_exact); callers guarantee x > 0.
+__device__ __forceinline__ int ceil_log2_exact(float x) {
+    const uint32_t b = __float_as_uint(x);
+    const int exp = int(b >> 23);
+    const uint32_t man = b & 0x7fffff;
+    if (exp == 0) return (32 - __clz(man - 1)) - 149;
+    return exp - 127 + (man != 0 ? 1 : 0);
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float swiglu_one(float g, float u, float limit) {
+    if (limit > 0) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result. `red` holds 32
+// values; the block must reach this call together.
+template <typename T>
+__device__ T block_sum(T v, T * red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    T s = lane < n_warps ? red[lane] : T(0);
+    return warp_sum(s);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Weight elements (slow path: get_rows, small control matrices of any type)
+// ---------------------------------------------------------------------------------------------------------------------
+// Payload and scale bytes of block gb in the split layout.
+__device__ __forceinline__ const uint8_t * split_payload(const WeightRef & w, int64_t gb, int payload_bytes) {
+    return w.data + gb * payload_bytes;
+}
+__device__ __forceinline__ const uint8_t * split_scales(const WeightRef & w, int64_t gb, int payload_bytes,
+                                                        int scale_bytes) {
+    return w.data + w.n_blocks * payload_bytes + gb * scale_bytes;
+}
+__device__ __forceinline__ uint16_t ld_u16(const uint8_t * p) { return *reinterpret_cast<const uint16_t *>(p); }
+
+// Element (row, col) of a weight of any supported type (tables are in the upload layout).
+__device__ __forceinline__ float weight_element(const WeightRef & w, int64_t row, int64_t col) {
+    switch (w.type) {
+        case GgmlType::F32:
+            return reinterpret_cast<const float *>(w.data)[row * w.ne0 + col];
+        case GgmlType::F16:
+            return f16_bits_to_f32(reinterpret_cast<const uint16_t *>(w.data)[row * w.ne0 + col]);
+        case GgmlType::BF16:
+            return bf16_bits_to_f32(reinterpret_cast<const uint16_t *>(w.data)[row * w.ne0 + col]);
+        case GgmlType::Q8_0: {
+            const int64_t gb = row * (w.ne0 / 32) + col / 32;
+            const int i = int(col % 32);
+            const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 32, 2)));
+            return float(int8_t(split_payload(w, gb, 32)[i])) * d;
+        }
+        case GgmlType::MXFP4: {
+            const int64_t gb = row * (w.ne0 / 32) + col / 32;
+            const int i = int(col % 32);
+            const uint8_t q = split_payload(w, gb, 16)[i & 15];
+            const int code = i < 16 ? (q & 15) : (q >> 4);
+            const int8_t kTab[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+            return float(kTab[code]) * e8m0_half(*split_scales(w, gb, 16, 1));
+        }
+        case GgmlType::Q2_K: {
+            const int64_t gb = row * (w.ne0 / 256) + col / 256;
+            const int i = int(col % 256);
+            const uint8_t * p = split_payload(w, gb, 80);
+            const uint8_t * sd = split_scales(w, gb, 80, 4);
+            const float d = f16_bits_to_f32(ld_u16(sd)), dmin = f16_bits_to_f32(ld_u16(sd + 2));
+            // Element 128h + 32g + l sits in bits 2g of qs[32h + l]; its scale byte is element / 16.
+            const int h = i / 128, g = (i % 128) / 32, l = i % 32;
+            const uint8_t sc = p[i / 16];
+            const int q = (p[16 + 32 * h + l] >> (2 * g)) & 3;
+            return d * float(sc & 15) * float(q) - dmin * float(sc >> 4);
+        }
+        case GgmlType::Q4_K: {
+            const int64_t gb = row * (w.ne0 / 256) + col / 256;
+            const int i = int(col % 256);
+            const uint8_t * b = w.data + gb * 144;
+            const float d = f16_bits_to_f32(ld_u16(b)), dmin = f16_bits_to_f32(ld_u16(b + 2));
+            const uint8_t * sc = b + 4;
+            const int j = i / 32;  // sub-block
+            int s, m;
+            if (j < 4) {
+                s = sc[j] & 63;
+                m = sc[j + 4] & 63;
+            } else {
+                s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+                m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            }
+            const uint8_t q = b[16 + 32 * (j / 2) + i % 32];
+            return d * float(s) * float((j & 1) ? q >> 4 : q & 15) - dmin * float(m);
+        }
+        case GgmlType::IQ2_XXS: {
+            const int64_t gb = row * (w.ne0 / 256) + col / 256;
+            const int i = int(col % 256);
+            const uint8_t * p = split_payload(w, gb, 64);
+            const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 64, 2)));
+            const int g = i / 32, k = (i % 32) / 8, e = i % 8;
+            const uint32_t idx = *reinterpret_cast<const uint32_t *>(p + 8 * g);
+            const uint32_t sgn = *reinterpret_cast<const uint32_t *>(p + 8 * g + 4);
+            const float db = d * (0.5f + float(sgn >> 28)) * 0.25f;
+            const uint64_t grid = w.iq2->grid[(idx >> (8 * k)) & 255];
+            const uint8_t signs = w.iq2->signs[(sgn >> (7 * k)) & 127];
+            const float v = db * float((grid >> (8 * e)) & 255);
+            return (signs >> e) & 1 ? -v : v;
+        }
+        default:
+            return 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// FP8 / FP4 round trips (quant.cpp's f32_to_e4m3, e4m3_to_f32, f32_to_e2m1, roundtrip, hadamard_inplace)
+// ---------------------------------------------------------------------------------------------------------------------
+__device__ inline float e4m3_decode(uint32_t bits) {
+    const uint32_t sign = (bits & 0x80u) << 24;
+    const uint32_t exp = (bits >> 3) & 15, man = bits & 7;
+    if (exp == 15 && man == 7) return __uint_as_float(sign | 0x7fc00000u);
+    if (exp == 0) return __uint_as_float(sign | __float_as_uint(float(man) * (1.0f / 512.0f)));
+    return __uint_as_float(sign | (exp + 120) << 23 | man << 20);
+}
+
+__device__ inline uint32_t e4m3_encode(float x) {
+    const uint32_t b = __float_as_uint(x);
+    const uint32_t sign = (b >> 24) & 0x80u;
+    const uint32_t a = b & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7f;
+    if (a >= 0x43e00000u) return sign | 0x7e;
+    if (a < 0x3c800000u) return sign | uint32_t(__float2int_rn(__uint_as_float(a) * 512.0f));
+    uint32_t code = ((a >> 23) - 120) << 3 | ((a >> 20) & 7);
+    const uint32_t rem = a & 0xfffff;
+    if (rem > 0x80000 || (rem == 0x80000 && (code & 1))) ++code;
+    return sign | code;
+}
+
+__device__ inline float e2m1_decode(uint32_t code) {
+    const float kMag[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    const float v = kMag[code & 7];
+    return code & 8 ? -v : v;
+}
+
+__device__ inline uint32_t e2m1_encode(float x) {
+    const float a = fabsf(x);
+    if (a != a) return 0;
+    const uint32_t sign = signbit(x) ? 8 : 0;
+    const float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    uint32_t code = 0;
+#pragma unroll
+    for (int k = 0; k < 7; ++k) code += (k & 1) ? (a >= kMid[k]) : (a > kMid[k]);
+    return sign | code;
+}
+
+// One warp rounds one block of up to 64 values in place; `fp8` picks E4M3 (floor 1e-4) or E2M1 (floor 6·2^-126).
+template <bool kFp8>
+__device__ inline void roundtrip_block(float * x, int len) {
+    const int lane = threadIdx.x & 31;
+    float v[2];
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = lane + 32 * j;
+        v[j] = i < len ? x[i] : 0.0f;
+        if (i < len) amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = warp_max(amax);
+    amax = fmaxf(amax, kFp8 ? 1e-4f : 6.0f * 1.17549435e-38f);
+    const float inv_qmax = kFp8 ? 1.0f / 448.0f : 1.0f / 6.0f;
+    const float s = pow2i(min(ceil_log2_exact(amax * inv_qmax), 127));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int i = lane + 32 * j;
+        if (i < len) x[i] = kFp8 ? s * e4m3_decode(e4m3_encode(v[j] / s)) : s * e2m1_decode(e2m1_encode(v[j] / s));
+    }
+}
+
+// FP8 rounding of channels [0, n_dims) of a row by the block's warps: blocks of 64, a trailing partial block
+// rounded as a block of its own.
+__device__ inline void fp8_row_shared(float * row, int64_t n_dims) {
+    const int64_t full = n_dims / 64, per_row = full + (n_dims > full * 64 ? 1 : 0);
+    for (int64_t b = threadIdx.x / 32; b < per_row; b += blockDim.x / 32)
+        roundtrip_block<true>(row + b * 64, b < full ? 64 : int(n_dims - full * 64));
+    __syncthreads();
+}
+
+// Walsh-Hadamard (Sylvester order: butterflies at strides 1, 2, 4, ...), scaled by fp32(1/sqrt(width)), then
+// E2M1 blocks of min(width, 32), on a row in shared memory, by the whole block (width a power of two).
+__device__ inline void hadamard_fp4_shared(float * row, int64_t width) {
+    for (int64_t h = 1; h < width; h *= 2) {
+        for (int64_t p = threadIdx.x; p < width / 2; p += blockDim.x) {
+            const int64_t i = (p / h) * 2 * h + p % h;
+            const float a = row[i], b = row[i + h];
+            row[i] = a + b;
+            row[i + h] = a - b;
+        }
+        __syncthreads();
+    }
+    const float scale = float(1.0 / sqrt(double(width)));
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] *= scale;
+    __syncthreads();
+    const int block = int(std::min<int64_t>(width, 32));
+    for (int64_t b = threadIdx.x / 32; b * block < width; b += blockDim.x / 32)
+        roundtrip_block<false>(row + b * block, block);
+    __syncthreads();
+}
+
+}  // namespace dsv4::cuda

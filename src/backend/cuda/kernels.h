@@ -1,0 +1,201 @@
+// The CUDA kernels' launch interface: plain argument structs and launch functions, shared by the host side
+// (backend_cuda.cpp, compiled by the C++ compiler) and the kernel files (*.cu). Every launch is asynchronous on
+// the given stream, never synchronises, never allocates and depends on no device value (positions, expert ids
+// and counts are read by the kernels): a decode step can be captured into a CUDA graph and replayed.
+#pragma once
+
+#include "format/types.h"
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dsv4::cuda {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Weights in device memory
+// ---------------------------------------------------------------------------------------------------------------------
+// upload_weight re-lays Q8_0, IQ2_XXS, MXFP4 and Q2_K tensors as two arrays: every block's payload (the codes,
+// 16-byte aligned, so a lane loads 16 bytes at once) and after them every block's scale bytes, in block order.
+// The size is unchanged. Q4_K blocks (144 bytes, payload already aligned) and float types keep the file layout.
+struct BlockSplit {
+    int block_bytes;     // bytes of one block in the file
+    int payload_offset;  // first payload byte inside the file block
+    int payload_bytes;   // payload bytes; the block's other bytes are its scale bytes, in file order
+};
+// The split of a type; payload_bytes == 0 when the type keeps its file layout.
+BlockSplit block_split(GgmlType type);
+
+// IQ2_XXS's grid and signs (format/quant_tables.cpp) in device memory, copied once per backend.
+struct Iq2Tables {
+    uint64_t grid[256];       // byte e of entry k: magnitude of element e
+    uint64_t sign_mask[128];  // byte e = 0xff where element e of the 7-bit sign index is negative
+    uint8_t signs[128];       // the sign bits themselves
+};
+
+struct WeightRef {
+    const uint8_t * data = nullptr;
+    GgmlType type = GgmlType::F32;
+    int64_t ne0 = 0;       // row length K
+    int64_t n_blocks = 0;  // blocks in the whole tensor: the split layout's scale array starts at n_blocks·payload
+    const Iq2Tables * iq2 = nullptr;  // device tables (IQ2_XXS)
+};
+
+// Re-lays n_blocks file blocks at src (device) into the split layout at dst (device, tensor of total_blocks
+// blocks, this range starting at block first_block).
+void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t first_block, int64_t n_blocks,
+                   int64_t total_blocks, cudaStream_t s);
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Matrix-vector products (matvec.cu)
+// ---------------------------------------------------------------------------------------------------------------------
+// Tokens come in tiles of up to kMaxTileTokens; each block reads its rows' weights once per tile. Quantized
+// weights multiply 8-bit activations (matvec_quantize, exactly the CPU backend's quantize_activations rules:
+// BlockQ8A for Q8_0/MXFP4, Q8_K for the K and IQ2 types) with integer dot products; float weights multiply
+// f32 activations.
+constexpr int kMaxTileTokens = 8;
+
+struct MatvecArgs {
+    WeightRef w;       // [K, rows·groups] or experts [K, rows, E]
+    WeightRef w_up;    // glu only: the up matrix, same shape as w (gate)
+    int64_t rows = 0;  // output rows of one group / one expert
+    int groups = 1;    // grouped projection: group g reads x columns [gK, (g+1)K), writes y columns [g·rows..)
+    const float * x = nullptr;
+    int64_t x_stride = 0;  // floats between activation rows
+    float * y = nullptr;
+    int64_t y_stride = 0;  // floats between output rows
+    int64_t n = 0;         // tokens (plain products)
+    // Expert products (tiles != null): tile i = {expert, first, count} over the expert-sorted pair list `pairs`
+    // (pair p = token·k + slot); the activation row of a pair is x[p / src_div] and its output row y[p].
+    const int32_t * tiles = nullptr;
+    const int32_t * n_tiles = nullptr;
+    const int32_t * pairs = nullptr;
+    int src_div = 1;
+    bool glu = false;  // y = swiglu(w·x, w_up·x, limit)
+    float limit = 0;
+    int split = 1;  // set by matvec(): warps that share one row group, each over a slice of K
+    // Quantized weights: the activations quantized by matvec_quantize (row src·groups + group).
+    const uint8_t * xq = nullptr;
+};
+// max_tiles: the grid's tile count (plain: ceil(n / tile)); tile_tokens: tokens per tile (1..kMaxTileTokens).
+void matvec(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
+// Quantized weights read their activations pre-quantized, once per product: matvec_quantize writes the n·groups
+// rows (token t, group g: x[t·x_stride + g·k ..]) into dst, matvec_act_bytes(w, k, n·groups) bytes (0 for float
+// weights, which read x directly).
+int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows);
+void matvec_quantize(GgmlType w, const float * x, int64_t x_stride, int64_t n, int groups, int64_t k, uint8_t * dst,
+                     cudaStream_t s);
+// The tile size matvec picks for n tokens (expert products use it to build their tiles).
+int matvec_tile_tokens(const MatvecArgs & a, int64_t n);
+
+// Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
+// expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
+void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
+              int32_t * tiles, int32_t * n_tiles, cudaStream_t s);
+// out[t] = Σ_j weights[t,j]·ybuf[t·k + j] over the slots with a valid expert id.
+void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
+                 int64_t n_expert, int64_t width, float * out, cudaStream_t s);
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Element-wise and per-row ops (misc.cu)
+// ---------------------------------------------------------------------------------------------------------------------
+void fill_f32(float * dst, int64_t n, float value, cudaStream_t s);
+void get_rows(const WeightRef & table, const int32_t * ids, int64_t n, float * out, cudaStream_t s);
+void rms_norm(const float * x, const float * gamma, float * y, int64_t rows, int64_t width, float eps, cudaStream_t s);
+// x [n, heads, width]: rotates the last n_rot channels of every head by positions[t] (or its negative).
+void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
+          const int32_t * positions, bool inverse, cudaStream_t s);
+void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s);
+void swiglu(const float * gate, const float * up, float * out, int64_t n, float limit, cudaStream_t s);
+void fp8_roundtrip(float * x, int64_t rows, int64_t width, int64_t n_dims, cudaStream_t s);
+void hadamard_fp4_roundtrip(float * x, int64_t rows, int64_t width, cudaStream_t s);
+
+void hc_expand(const float * x, float * streams, int64_t n, int64_t hc, int64_t width, cudaStream_t s);
+// The mixing weights of HCPre (n_mix = (2+hc)·hc) or the head (n_mix = hc): partial sums over chunks of the
+// hc·D stream row, then one block per token finishes (Sinkhorn for HCPre) and writes the weighted stream sum.
+struct HcArgs {
+    const float * streams = nullptr;  // [n, hc, D]
+    WeightRef fn;                     // [hc·D, n_mix]
+    const float * scale = nullptr;    // [3] (pre) or [1] (head)
+    const float * base = nullptr;     // [n_mix]
+    int64_t n = 0, hc = 0, width = 0;
+    int iters = 0;
+    float eps_hc = 0, eps_norm = 0;
+    bool head = false;
+    float * y = nullptr;        // [n, D]
+    float * post = nullptr;     // [n, hc] (pre)
+    float * comb = nullptr;     // [n, hc, hc] (pre)
+    float * partial = nullptr;  // scratch: hc_partial_floats(n, hc, D, n_mix)
+};
+// Mixing weights per token (HCPre: (2+hc)·hc; head: hc); hc_mix handles up to kHcMaxMix and hc <= 16.
+constexpr int64_t kHcMaxMix = 48;
+int64_t hc_n_mix(int64_t hc, bool head);
+int64_t hc_partial_floats(int64_t n, int64_t hc, int64_t width, int64_t n_mix);
+void hc_mix(const HcArgs & a, cudaStream_t s);
+void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
+             int64_t hc, int64_t width, cudaStream_t s);
+
+void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
+            int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s);
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Attention, compressor, indexer (attention.cu)
+// ---------------------------------------------------------------------------------------------------------------------
+void store_rows(float * ring, int64_t ring_rows, const float * rows, int64_t n, int64_t width,
+                const int32_t * positions, cudaStream_t s);
+
+struct CompressorArgs {
+    const float * kv = nullptr;     // [n, wide]
+    const float * score = nullptr;  // [n, wide]
+    WeightRef ape;                  // [wide, R]
+    float * state_kv = nullptr;     // [c·R, wide]
+    float * state_score = nullptr;
+    const int32_t * positions = nullptr;
+    int64_t n = 0, ratio = 0, wide = 0;
+    bool overlap = false;
+    const float * norm = nullptr;  // [width]
+    float eps = 0;
+    const float * inv_freq = nullptr;
+    int n_rot = 0;
+    int rounding = 0;  // 0 none, 1 fp8, 2 hadamard + fp4
+    int64_t fp8_dims = 0;
+    float * store = nullptr;  // [capacity, width]
+    int64_t capacity = 0;
+};
+void compressor_update(const CompressorArgs & a, cudaStream_t s);
+
+struct IndexerArgs {
+    const float * q = nullptr;     // [n, H, d]
+    const float * w = nullptr;     // [n, H]
+    const float * keys = nullptr;  // [capacity, d]
+    const int32_t * positions = nullptr;
+    int64_t n = 0, heads = 0, dim = 0, capacity = 0, ratio = 0, top_k = 0;
+    float key_scale = 0;
+    int32_t * selected = nullptr;  // [n, top_k]
+    float * scores = nullptr;      // scratch [n, capacity]
+};
+void indexer_select(const IndexerArgs & a, cudaStream_t s);
+
+struct AttentionArgs {
+    const float * q = nullptr;    // [n, H, d]
+    const float * raw = nullptr;  // [ring, d]
+    int64_t ring = 0;
+    const int32_t * positions = nullptr;
+    int64_t window = 0;
+    const float * comp = nullptr;  // [capacity, d] or null
+    int64_t comp_capacity = 0, ratio = 0;
+    const int32_t * selected = nullptr;  // [n, top_k] or null
+    int64_t top_k = 0;
+    const float * sinks = nullptr;  // [H]
+    float scale = 0;
+    int64_t n = 0, heads = 0, dim = 0;
+    float * out = nullptr;      // [n, H, d]
+    float * partial = nullptr;  // scratch: attention_partial_floats(...)
+};
+// Key splits the launch uses and the scratch floats they need.
+int attention_splits(const AttentionArgs & a);
+int64_t attention_partial_floats(const AttentionArgs & a);
+void attention(const AttentionArgs & a, cudaStream_t s);
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,814 @@
+// Matrix-vector products for every weight type, plain, grouped and per expert (MoE), and the MoE routing
+// plumbing (grouping pairs by expert, the weighted combine).
+//
+// One kernel shape serves decode and prefill. Activations are quantized once per product by a small kernel (Q8A
+// or Q8_K, bit-identical to format/quant's rules, so the integer dot products equal the CPU backend's
+// quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 8 tokens
+// (copied to shared memory; a one-token tile reads its row in place) and each warp streams two weight rows at a
+// time: every lane loads 16 payload bytes per row per step (the upload layout keeps payloads 16-byte aligned),
+// so the rows' bytes are read once per token tile. Few rows (small projections at decode) split K over the
+// warps of a row group instead.
+#include "backend/cuda/common.cuh"
+
+#include <algorithm>
+#include <climits>
+
+namespace dsv4::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = 2;
+constexpr size_t kMaxActSmem = 160 * 1024;
+
+int device_sms() {
+    static int sms[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) return 132;
+    if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+    return std::max(sms[dev], 1);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Activation tiles in shared memory
+// ---------------------------------------------------------------------------------------------------------------------
+// Quantized codes are stored in 16-byte chunks, chunk i at position i ^ ((i >> 3) & 7): lanes that read
+// chunks 4 or 8 apart (IQ2_XXS and Q2_K units) then hit different banks.
+__device__ __forceinline__ int swz(int chunk) { return chunk ^ ((chunk >> 3) & 7); }
+__device__ __forceinline__ int4 act_chunk(const int8_t * q, int chunk) {
+    return *reinterpret_cast<const int4 *>(q + 16 * swz(chunk));
+}
+
+struct ActTile {
+    int8_t * q;  // [NT][K] codes, swizzled chunks
+    float * d;   // [NT][K/32] scale of each 32 codes (Q8_K: its 256-block scale, repeated)
+    int * bsum;  // [NT][K/16] sums of each 16 codes (Q8_K)
+};
+
+enum class Act { q8a, q8k };
+
+size_t act_smem_bytes(Act act, int nt, int64_t k) {
+    size_t b = size_t(nt) * size_t(k) + size_t(nt) * size_t(k / 32) * 4;
+    if (act == Act::q8k) b += size_t(nt) * size_t(k / 16) * 4;
+    return b;
+}
+
+// Quantized activation rows in global memory, one per (token, group): codes [K] (swizzled chunks), scales
+// [K/32] f32, and for Q8_K the 16-value sums [K/16] i32, contiguous. A tile's blocks copy them to shared memory;
+// a one-token tile reads them in place (L1 keeps them).
+__host__ __device__ inline int64_t act_row_bytes(Act act, int64_t k) {
+    return (k + k / 8 + (act == Act::q8k ? k / 4 : 0) + 15) / 16 * 16;  // rows stay 16-byte aligned
+}
+
+// ds4's Q8A rule (quantize_q8a_scalar) for one block of 32 by one warp: d = amax/127 in f32, q = nearest-even(x/d)
+// clamped to ±127.
+__device__ void quantize_block_q8a(const float * x, int b, int k, uint8_t * row) {
+    const int lane = threadIdx.x & 31;
+    const float v = x[32 * b + lane];
+    const float amax = warp_max(fmaxf(0.0f, fabsf(v)));
+    const float d = amax / 127.0f;
+    const int q = d != 0.0f ? round_clamp(v / d, -127, 127) : 0;
+    const int e = 32 * b + lane;
+    row[16 * swz(e >> 4) + (e & 15)] = uint8_t(int8_t(q));
+    if (lane == 0) reinterpret_cast<float *>(row + k)[b] = d;
+}
+
+// ggml's Q8_K rule (quantize_q8_k_scalar) for one block of 256 by one warp: the scale comes from the signed
+// element of largest magnitude (the first one on ties), which maps to exactly -127; 16-value sums for the
+// K-quant minimum terms.
+__device__ void quantize_block_q8k(const float * x, int sb, int k, uint8_t * row) {
+    const int lane = threadIdx.x & 31;
+    const float4 * xv = reinterpret_cast<const float4 *>(x + 256 * sb + 8 * lane);
+    const float4 x0 = xv[0], x1 = xv[1];
+    const float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    float best = 0.0f, best_v = 0.0f;
+    int best_i = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float ax = fabsf(v[i]);
+        if (ax > best) {
+            best = ax;
+            best_v = v[i];
+            best_i = 8 * lane + i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(kFull, best, o);
+        const float ov = __shfl_xor_sync(kFull, best_v, o);
+        const int oi = __shfl_xor_sync(kFull, best_i, o);
+        if (ob > best || (ob == best && oi < best_i)) {
+            best = ob;
+            best_v = ov;
+            best_i = oi;
+        }
+    }
+    int q[8];
+    float d = 0.0f;
+    if (best == 0.0f) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = 0;
+    } else {
+        const float iscale = -127.0f / best_v;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = round_clamp(iscale * v[i], -128, 127);
+        d = 1.0f / iscale;
+    }
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += q[i];
+    s += __shfl_xor_sync(kFull, s, 1);
+    const uint32_t lo =
+        uint32_t(q[0] & 255) | uint32_t(q[1] & 255) << 8 | uint32_t(q[2] & 255) << 16 | uint32_t(q[3] & 255) << 24;
+    const uint32_t hi =
+        uint32_t(q[4] & 255) | uint32_t(q[5] & 255) << 8 | uint32_t(q[6] & 255) << 16 | uint32_t(q[7] & 255) << 24;
+    const int e = 256 * sb + 8 * lane;
+    *reinterpret_cast<uint2 *>(row + 16 * swz(e >> 4) + (e & 15)) = make_uint2(lo, hi);
+    if ((lane & 1) == 0) reinterpret_cast<int *>(row + k + k / 8)[16 * sb + lane / 2] = s;
+    if (lane < 8) reinterpret_cast<float *>(row + k)[8 * sb + lane] = d;
+}
+
+// One warp per block of one (token, group) row.
+template <Act A>
+__global__ void quantize_rows_kernel(const float * x, int64_t x_stride, int64_t rows, int groups, int k,
+                                     uint8_t * dst) {
+    const int per_row = A == Act::q8a ? k / 32 : k / 256;
+    const int64_t blk = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+    if (blk >= rows * per_row) return;
+    const int64_t r = blk / per_row;
+    const int b = int(blk % per_row);
+    const float * xr = x + (r / groups) * x_stride + (r % groups) * k;
+    uint8_t * row = dst + r * act_row_bytes(A, k);
+    if constexpr (A == Act::q8a)
+        quantize_block_q8a(xr, b, k, row);
+    else
+        quantize_block_q8k(xr, b, k, row);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Weight units: 16 payload bytes of one row, loaded at once, and their dot product with one token's codes
+// ---------------------------------------------------------------------------------------------------------------------
+struct Tables {
+    const uint64_t * grid;  // IQ2_XXS, in shared memory
+    const uint64_t * mask;
+};
+
+__device__ __forceinline__ int4 ldg16(const uint8_t * p) { return __ldg(reinterpret_cast<const int4 *>(p)); }
+__device__ __forceinline__ int dp4(int4 w, int4 a, int s) {
+    s = __dp4a(w.x, a.x, s);
+    s = __dp4a(w.y, a.y, s);
+    s = __dp4a(w.z, a.z, s);
+    return __dp4a(w.w, a.w, s);
+}
+
+struct Q8_0Unit {
+    static constexpr Act kAct = Act::q8a;
+    static constexpr int kUnitElems = 16;
+    int4 q;
+    uint16_t d;
+    __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
+        const int64_t gb = row * (k / 32) + (u >> 1);
+        q = ldg16(w.data + gb * 32 + (u & 1) * 16);
+        d = __ldg(reinterpret_cast<const unsigned short *>(w.data + w.n_blocks * 32) + gb);
+    }
+    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables &) const {
+        const int s = dp4(q, act_chunk(a.q + size_t(ti) * k, u), 0);
+        return f16_bits_to_f32(d) * a.d[ti * (k / 32) + (u >> 1)] * float(s);
+    }
+};
+
+struct Mxfp4Unit {
+    static constexpr Act kAct = Act::q8a;
+    static constexpr int kUnitElems = 32;
+    int4 q;
+    uint8_t e;
+    __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
+        const int64_t gb = row * (k / 32) + u;
+        q = ldg16(w.data + gb * 16);
+        e = __ldg(w.data + w.n_blocks * 16 + gb);
+    }
+    // Four E2M1 codes (one per byte) to the doubled values {0, 1, 2, 3, 4, 6, 8, 12} with sign bit 3.
+    static __device__ __forceinline__ int lut(uint32_t codes) {
+        const uint32_t idx = codes & 0x07070707u;
+        const uint32_t sel = (idx & 7u) | ((idx >> 4) & 0x70u) | ((idx >> 8) & 0x700u) | ((idx >> 12) & 0x7000u);
+        const uint32_t pos = __byte_perm(0x03020100u, 0x0c080604u, sel);
+        const uint32_t neg = __byte_perm(0xfdfeff00u, 0xf4f8fafcu, sel);
+        const uint32_t m = ((codes >> 3) & 0x01010101u) * 0xffu;
+        return int((pos & ~m) | (neg & m));
+    }
+    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables &) const {
+        const int8_t * aq = a.q + size_t(ti) * k;
+        const int4 lo = act_chunk(aq, 2 * u), hi = act_chunk(aq, 2 * u + 1);
+        int s = 0;
+        s = __dp4a(lut(uint32_t(q.x)), lo.x, s);
+        s = __dp4a(lut(uint32_t(q.y)), lo.y, s);
+        s = __dp4a(lut(uint32_t(q.z)), lo.z, s);
+        s = __dp4a(lut(uint32_t(q.w)), lo.w, s);
+        s = __dp4a(lut(uint32_t(q.x) >> 4), hi.x, s);
+        s = __dp4a(lut(uint32_t(q.y) >> 4), hi.y, s);
+        s = __dp4a(lut(uint32_t(q.z) >> 4), hi.z, s);
+        s = __dp4a(lut(uint32_t(q.w) >> 4), hi.w, s);
+        return e8m0_half(e) * a.d[ti * (k / 32) + u] * float(s);
+    }
+};
+
+struct Iq2XxsUnit {
+    static constexpr Act kAct = Act::q8k;
+    static constexpr int kUnitElems = 64;  // two 32-value sub-blocks: (grid indices, signs + scale) twice
+    int4 q;
+    uint16_t d;
+    __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
+        const int64_t gb = row * (k / 256) + (u >> 2);
+        q = ldg16(w.data + gb * 64 + (u & 3) * 16);
+        d = __ldg(reinterpret_cast<const unsigned short *>(w.data + w.n_blocks * 64) + gb);
+    }
+    static __device__ __forceinline__ int sub_block(uint32_t idx, uint32_t sgn, int4 a0, int4 a1, const Tables & t) {
+        int s = 0;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t g = t.grid[(idx >> (8 * kk)) & 255];
+            const uint64_t m = t.mask[(sgn >> (7 * kk)) & 127];
+            const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32), mlo = uint32_t(m), mhi = uint32_t(m >> 32);
+            // Negation per byte: (g ^ 0xff) + 1 = -g; magnitudes are 8..43, so no byte carries.
+            const int vlo = int((glo ^ mlo) + (mlo & 0x01010101u));
+            const int vhi = int((ghi ^ mhi) + (mhi & 0x01010101u));
+            const int4 & a = kk < 2 ? a0 : a1;
+            s = __dp4a(vlo, (kk & 1) ? a.z : a.x, s);
+            s = __dp4a(vhi, (kk & 1) ? a.w : a.y, s);
+        }
+        return s * int(2 * (sgn >> 28) + 1);
+    }
+    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables & t) const {
+        const int8_t * aq = a.q + size_t(ti) * k;
+        const int s = sub_block(uint32_t(q.x), uint32_t(q.y), act_chunk(aq, 4 * u), act_chunk(aq, 4 * u + 1), t) +
+                      sub_block(uint32_t(q.z), uint32_t(q.w), act_chunk(aq, 4 * u + 2), act_chunk(aq, 4 * u + 3), t);
+        return f16_bits_to_f32(d) * a.d[ti * (k / 32) + 2 * u] * 0.125f * float(s);
+    }
+};
+
+struct Q2_KUnit {
+    static constexpr Act kAct = Act::q8k;
+    static constexpr int kUnitElems = 64;  // 16 code bytes: 4 groups of 16 values at stride 32
+    int4 q;
+    uint2 sc;
+    uint32_t dm;
+    int u_in;  // unit index inside its block (h = u_in / 2, half = u_in % 2)
+    __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
+        const int64_t gb = row * (k / 256) + (u >> 2);
+        u_in = u & 3;
+        const uint8_t * p = w.data + gb * 80;
+        q = ldg16(p + 16 + 16 * u_in);
+        sc = __ldg(reinterpret_cast<const uint2 *>(p + 8 * (u_in >> 1)));
+        dm = __ldg(reinterpret_cast<const unsigned int *>(w.data + w.n_blocks * 80) + gb);
+    }
+    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables &) const {
+        const int half = u_in & 1;
+        const int e0 = (u >> 2) * 256 + 128 * (u_in >> 1) + 16 * half;
+        const int8_t * aq = a.q + size_t(ti) * k;
+        const int * bs = a.bsum + ti * (k / 16);
+        int isum = 0, msum = 0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            const int4 av = act_chunk(aq, (e0 + 32 * g) >> 4);
+            int s = __dp4a(int((uint32_t(q.x) >> (2 * g)) & 0x03030303u), av.x, 0);
+            s = __dp4a(int((uint32_t(q.y) >> (2 * g)) & 0x03030303u), av.y, s);
+            s = __dp4a(int((uint32_t(q.z) >> (2 * g)) & 0x03030303u), av.z, s);
+            s = __dp4a(int((uint32_t(q.w) >> (2 * g)) & 0x03030303u), av.w, s);
+            const int b = 2 * g + half;
+            const uint32_t scb = ((g < 2 ? sc.x : sc.y) >> (8 * (b & 3))) & 255u;
+            isum += int(scb & 15) * s;
+            msum += int(scb >> 4) * bs[(e0 + 32 * g) >> 4];
+        }
+        const float d = f16_bits_to_f32(uint16_t(dm)), dmin = f16_bits_to_f32(uint16_t(dm >> 16));
+        return a.d[ti * (k / 32) + (e0 >> 5)] * (d * float(isum) - dmin * float(msum));
+    }
+};
+
+struct Q4_KUnit {
+    static constexpr Act kAct = Act::q8k;
+    static constexpr int kUnitElems = 32;  // 16 code bytes: 16 values of two sub-blocks (low and high nibbles)
+    int4 hdr;                              // d, dmin, 12 scale bytes
+    int4 q;
+    int u_in;
+    __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
+        const int64_t gb = row * (k / 256) + (u >> 3);
+        u_in = u & 7;
+        const uint8_t * p = w.data + gb * 144;
+        hdr = ldg16(p);
+        q = ldg16(p + 16 + 16 * u_in);
+    }
+    __device__ __forceinline__ int scale_byte(int i) const {
+        const uint32_t word = i < 4 ? uint32_t(hdr.y) : i < 8 ? uint32_t(hdr.z) : uint32_t(hdr.w);
+        return int((word >> (8 * (i & 3))) & 255u);
+    }
+    __device__ __forceinline__ void scale_min(int j, int & s, int & m) const {
+        if (j < 4) {
+            s = scale_byte(j) & 63;
+            m = scale_byte(j + 4) & 63;
+        } else {
+            s = (scale_byte(j + 4) & 15) | ((scale_byte(j - 4) >> 6) << 4);
+            m = (scale_byte(j + 4) >> 4) | ((scale_byte(j) >> 6) << 4);
+        }
+    }
+    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables &) const {
+        const int p = u_in >> 1, half = u_in & 1;
+        const int e0 = (u >> 3) * 256 + 64 * p + 16 * half;
+        const int8_t * aq = a.q + size_t(ti) * k;
+        const int4 alo = act_chunk(aq, e0 >> 4), ahi = act_chunk(aq, (e0 + 32) >> 4);
+        int slo = __dp4a(int(uint32_t(q.x) & 0x0f0f0f0fu), alo.x, 0);
+        slo = __dp4a(int(uint32_t(q.y) & 0x0f0f0f0fu), alo.y, slo);
+        slo = __dp4a(int(uint32_t(q.z) & 0x0f0f0f0fu), alo.z, slo);
+        slo = __dp4a(int(uint32_t(q.w) & 0x0f0f0f0fu), alo.w, slo);
+        int shi = __dp4a(int((uint32_t(q.x) >> 4) & 0x0f0f0f0fu), ahi.x, 0);
+        shi = __dp4a(int((uint32_t(q.y) >> 4) & 0x0f0f0f0fu), ahi.y, shi);
+        shi = __dp4a(int((uint32_t(q.z) >> 4) & 0x0f0f0f0fu), ahi.z, shi);
+        shi = __dp4a(int((uint32_t(q.w) >> 4) & 0x0f0f0f0fu), ahi.w, shi);
+        int s0, m0, s1, m1;
+        scale_min(2 * p, s0, m0);
+        scale_min(2 * p + 1, s1, m1);
+        const int * bs = a.bsum + ti * (k / 16);
+        const float d = f16_bits_to_f32(uint16_t(uint32_t(hdr.x))),
+                    dmin = f16_bits_to_f32(uint16_t(uint32_t(hdr.x) >> 16));
+        return a.d[ti * (k / 32) + (e0 >> 5)] *
+               (d * float(s0 * slo + s1 * shi) - dmin * float(m0 * bs[e0 >> 4] + m1 * bs[(e0 + 32) >> 4]));
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The kernels
+// ---------------------------------------------------------------------------------------------------------------------
+// Token tile of this block: activation rows, output rows and the weight row offset (expert / group).
+template <int NT>
+struct Tile {
+    int n_tok = 0;
+    int64_t src[NT];
+    int64_t dst[NT];
+    int64_t row_off = 0;
+};
+
+template <int NT>
+__device__ __forceinline__ bool load_tile(const MatvecArgs & a, Tile<NT> & t) {
+    if (a.tiles) {
+        if (int(blockIdx.y) >= *a.n_tiles) return false;
+        const int32_t * tl = a.tiles + 3 * blockIdx.y;
+        t.n_tok = tl[2];
+        t.row_off = int64_t(tl[0]) * a.rows;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            const int64_t p = i < t.n_tok ? a.pairs[tl[1] + i] : 0;
+            t.src[i] = p / a.src_div;
+            t.dst[i] = p;
+        }
+    } else {
+        const int64_t t0 = int64_t(blockIdx.y) * NT;
+        t.n_tok = int(min(int64_t(NT), a.n - t0));
+#pragma unroll
+        for (int i = 0; i < NT; ++i) t.src[i] = t.dst[i] = t0 + i;
+    }
+    t.row_off += int64_t(blockIdx.z) * a.rows;
+    return t.n_tok > 0;
+}
+
+// Reduces each row's partial sums over the lanes and, when a.split warps share a row group (split K), over those
+// warps in a fixed order; stores (or applies SwiGLU to gate and up first). Every warp of the block must call it.
+template <int NT, bool GLU>
+__device__ __forceinline__ void store_rows(const MatvecArgs & a, const Tile<NT> & t, int64_t row0,
+                                           float (&acc)[GLU ? 2 : 1][kRowsPerWarp][NT]) {
+    constexpr int kM = GLU ? 2 : 1;
+    __shared__ float red[kWarps][kM][kRowsPerWarp][NT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int split = a.split, slice = warp % split;
+    const int64_t ycol = int64_t(blockIdx.z) * a.rows;
+#pragma unroll
+    for (int m = 0; m < kM; ++m)
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+            for (int i = 0; i < NT; ++i) acc[m][r][i] = warp_sum(acc[m][r][i]);
+    if (split > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int m = 0; m < kM; ++m)
+#pragma unroll
+                for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+                    for (int i = 0; i < NT; ++i) red[warp][m][r][i] = acc[m][r][i];
+        __syncthreads();
+        if (slice == 0)
+#pragma unroll
+            for (int m = 0; m < kM; ++m)
+#pragma unroll
+                for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+                    for (int i = 0; i < NT; ++i) {
+                        float sum = 0.0f;
+                        for (int w = 0; w < split; ++w) sum += red[warp + w][m][r][i];
+                        acc[m][r][i] = sum;
+                    }
+        __syncthreads();
+        if (slice != 0) return;
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            float v = acc[0][r][i];
+            if constexpr (GLU) v = swiglu_one(v, acc[1][r][i], a.limit);
+            if (lane == 0 && i < t.n_tok && row0 + r < a.rows) a.y[t.dst[i] * a.y_stride + ycol + row0 + r] = v;
+        }
+}
+
+template <class U, int NT, bool GLU>
+__global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    Tile<NT> tile;
+    if (!load_tile(a, tile)) return;
+    const int k = int(a.w.ne0);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+    // Shared memory: [IQ2 tables] codes, scales, sums.
+    uint8_t * p = smem;
+    Tables tab{nullptr, nullptr};
+    if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
+        uint64_t * grid = reinterpret_cast<uint64_t *>(p);
+        uint64_t * mask = grid + 256;
+        for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = a.w.iq2->grid[i];
+        for (int i = threadIdx.x; i < 128; i += kThreads) mask[i] = a.w.iq2->sign_mask[i];
+        tab = {grid, mask};
+        p += 384 * sizeof(uint64_t);
+    }
+    ActTile act;
+    const int64_t arb = act_row_bytes(U::kAct, k);
+    if constexpr (NT == 1) {
+        const uint8_t * row = a.xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
+        act.q = const_cast<int8_t *>(reinterpret_cast<const int8_t *>(row));
+        act.d = const_cast<float *>(reinterpret_cast<const float *>(row + k));
+        act.bsum = const_cast<int *>(reinterpret_cast<const int *>(row + k + k / 8));
+    } else {
+        act.q = reinterpret_cast<int8_t *>(p);
+        act.d = reinterpret_cast<float *>(p + size_t(NT) * k);
+        act.bsum = reinterpret_cast<int *>(p + size_t(NT) * k + size_t(NT) * (k / 32) * 4);
+        for (int i = 0; i < tile.n_tok; ++i) {
+            const uint8_t * row = a.xq + (tile.src[i] * a.groups + blockIdx.z) * arb;
+            for (int j = threadIdx.x; j < k / 16; j += kThreads)
+                reinterpret_cast<int4 *>(act.q + size_t(i) * k)[j] = reinterpret_cast<const int4 *>(row)[j];
+            for (int j = threadIdx.x; j < k / 32; j += kThreads)
+                act.d[i * (k / 32) + j] = reinterpret_cast<const float *>(row + k)[j];
+            if constexpr (U::kAct == Act::q8k)
+                for (int j = threadIdx.x; j < k / 16; j += kThreads)
+                    act.bsum[i * (k / 16) + j] = reinterpret_cast<const int *>(row + k + k / 8)[j];
+        }
+    }
+    __syncthreads();
+
+    const int units = k / U::kUnitElems;
+    const int split = a.split, slice = warp % split;
+    const int64_t rows_per_block = int64_t(kWarps / split) * kRowsPerWarp;
+    for (int64_t rb = blockIdx.x; rb * rows_per_block < a.rows; rb += gridDim.x) {
+        const int64_t row0 = rb * rows_per_block + int64_t(warp / split) * kRowsPerWarp;
+        float acc[GLU ? 2 : 1][kRowsPerWarp][NT];
+#pragma unroll
+        for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+                for (int i = 0; i < NT; ++i) acc[m][r][i] = 0.0f;
+#pragma unroll 4
+        for (int u = lane + 32 * slice; u < units; u += 32 * split) {
+            U wu[GLU ? 2 : 1][kRowsPerWarp];
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; ++r) {
+                const int64_t row = tile.row_off + min(row0 + r, a.rows - 1);
+                wu[0][r].load(a.w, row, u, k);
+                if constexpr (GLU) wu[1][r].load(a.w_up, row, u, k);
+            }
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
+                if (i >= tile.n_tok) break;
+#pragma unroll
+                for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+                    for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(u, act, i, k, tab);
+            }
+        }
+        store_rows<NT, GLU>(a, tile, row0, acc);
+    }
+}
+
+// Float weights with f32 activations read straight from global memory (L1 keeps a tile's rows).
+template <GgmlType T>
+__device__ __forceinline__ float load_float(const uint8_t * base, int64_t i) {
+    if constexpr (T == GgmlType::F32)
+        return __ldg(reinterpret_cast<const float *>(base) + i);
+    else if constexpr (T == GgmlType::F16)
+        return f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
+    else
+        return bf16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
+}
+
+template <GgmlType T>
+__device__ __forceinline__ void unpack16(int4 v, float (&f)[16 / (T == GgmlType::F32 ? 4 : 2)]) {
+    if constexpr (T == GgmlType::F32) {
+        f[0] = __int_as_float(v.x);
+        f[1] = __int_as_float(v.y);
+        f[2] = __int_as_float(v.z);
+        f[3] = __int_as_float(v.w);
+    } else {
+        const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if constexpr (T == GgmlType::F16) {
+                f[2 * j] = f16_bits_to_f32(uint16_t(w[j]));
+                f[2 * j + 1] = f16_bits_to_f32(uint16_t(w[j] >> 16));
+            } else {
+                f[2 * j] = bf16_bits_to_f32(uint16_t(w[j]));
+                f[2 * j + 1] = bf16_bits_to_f32(uint16_t(w[j] >> 16));
+            }
+        }
+    }
+}
+
+template <GgmlType T, int NT, bool GLU, bool VEC>
+__global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
+    Tile<NT> tile;
+    if (!load_tile(a, tile)) return;
+    const int64_t k = a.w.ne0;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int kEsz = T == GgmlType::F32 ? 4 : 2;
+    constexpr int kEpu = 16 / kEsz;
+    const float * xr[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) xr[i] = a.x + tile.src[i] * a.x_stride + int64_t(blockIdx.z) * k;
+    const int split = a.split, slice = warp % split;
+    const int64_t rows_per_block = int64_t(kWarps / split) * kRowsPerWarp;
+    for (int64_t rb = blockIdx.x; rb * rows_per_block < a.rows; rb += gridDim.x) {
+        const int64_t row0 = rb * rows_per_block + int64_t(warp / split) * kRowsPerWarp;
+        float acc[GLU ? 2 : 1][kRowsPerWarp][NT];
+#pragma unroll
+        for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+            for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+                for (int i = 0; i < NT; ++i) acc[m][r][i] = 0.0f;
+        const uint8_t * wr[GLU ? 2 : 1][kRowsPerWarp];
+#pragma unroll
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+            const int64_t row = tile.row_off + min(row0 + r, a.rows - 1);
+            wr[0][r] = a.w.data + row * k * kEsz;
+            if constexpr (GLU) wr[1][r] = a.w_up.data + row * k * kEsz;
+        }
+        if constexpr (VEC) {
+#pragma unroll 2
+            for (int64_t u = lane + 32 * slice; u < k / kEpu; u += 32 * split) {
+                float wf[GLU ? 2 : 1][kRowsPerWarp][kEpu];
+#pragma unroll
+                for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+                    for (int r = 0; r < kRowsPerWarp; ++r) unpack16<T>(ldg16(wr[m][r] + u * 16), wf[m][r]);
+#pragma unroll
+                for (int i = 0; i < NT; ++i) {
+                    if (i >= tile.n_tok) break;
+                    float xv[kEpu];
+#pragma unroll
+                    for (int j = 0; j < kEpu; j += 4) {
+                        const float4 f = __ldg(reinterpret_cast<const float4 *>(xr[i] + u * kEpu + j));
+                        xv[j] = f.x;
+                        xv[j + 1] = f.y;
+                        xv[j + 2] = f.z;
+                        xv[j + 3] = f.w;
+                    }
+#pragma unroll
+                    for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+                        for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+                            for (int j = 0; j < kEpu; ++j) acc[m][r][i] = fmaf(wf[m][r][j], xv[j], acc[m][r][i]);
+                }
+            }
+        } else {
+            for (int64_t c = lane + 32 * slice; c < k; c += 32 * split) {
+#pragma unroll
+                for (int i = 0; i < NT; ++i) {
+                    if (i >= tile.n_tok) break;
+                    const float xv = xr[i][c];
+#pragma unroll
+                    for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+                        for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += load_float<T>(wr[m][r], c) * xv;
+                }
+            }
+        }
+        store_rows<NT, GLU>(a, tile, row0, acc);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------------------------------------------------
+bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
+
+Act act_of(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::MXFP4 ? Act::q8a : Act::q8k; }
+
+size_t quant_smem(GgmlType t, int nt, int64_t k) {
+    return (nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0) + (t == GgmlType::IQ2_XXS ? 384 * sizeof(uint64_t) : 0);
+}
+
+template <class Kernel>
+void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t s, const MatvecArgs & a) {
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    kernel<<<grid, kThreads, smem, s>>>(a);
+}
+
+template <int NT, bool GLU>
+void launch_nt(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    const int64_t k = a.w.ne0;
+    const size_t smem = quant_smem(a.w.type, NT, k);
+    switch (a.w.type) {
+        case GgmlType::Q8_0:
+            return launch(matvec_quant<Q8_0Unit, NT, GLU>, grid, smem, s, a);
+        case GgmlType::MXFP4:
+            return launch(matvec_quant<Mxfp4Unit, NT, GLU>, grid, smem, s, a);
+        case GgmlType::IQ2_XXS:
+            return launch(matvec_quant<Iq2XxsUnit, NT, GLU>, grid, smem, s, a);
+        case GgmlType::Q2_K:
+            return launch(matvec_quant<Q2_KUnit, NT, GLU>, grid, smem, s, a);
+        case GgmlType::Q4_K:
+            return launch(matvec_quant<Q4_KUnit, NT, GLU>, grid, smem, s, a);
+        default:
+            break;
+    }
+    // Float weights: 16-byte loads when rows, activation rows and group offsets keep 16-byte alignment.
+    const int esz = a.w.type == GgmlType::F32 ? 4 : 2;
+    const bool vec = k % (16 / esz) == 0 && k % 4 == 0 && a.x_stride % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w.data) % 16 == 0 &&
+                     (!a.glu || reinterpret_cast<uintptr_t>(a.w_up.data) % 16 == 0);
+    switch (a.w.type) {
+        case GgmlType::F32:
+            return vec ? launch(matvec_float<GgmlType::F32, NT, GLU, true>, grid, 0, s, a)
+                       : launch(matvec_float<GgmlType::F32, NT, GLU, false>, grid, 0, s, a);
+        case GgmlType::F16:
+            return vec ? launch(matvec_float<GgmlType::F16, NT, GLU, true>, grid, 0, s, a)
+                       : launch(matvec_float<GgmlType::F16, NT, GLU, false>, grid, 0, s, a);
+        case GgmlType::BF16:
+            return vec ? launch(matvec_float<GgmlType::BF16, NT, GLU, true>, grid, 0, s, a)
+                       : launch(matvec_float<GgmlType::BF16, NT, GLU, false>, grid, 0, s, a);
+        default:
+            return;
+    }
+}
+
+template <int NT>
+void launch_glu(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    if (a.glu)
+        launch_nt<NT, true>(a, grid, s);
+    else
+        launch_nt<NT, false>(a, grid, s);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// MoE plumbing
+// ---------------------------------------------------------------------------------------------------------------------
+// Exclusive scan of v[0, n) in place by one warp (n is the expert count: hundreds); returns the total.
+__device__ int warp_exclusive_scan(int * v, int n) {
+    const int lane = threadIdx.x & 31;
+    const int per = (n + 31) / 32;
+    const int b = min(n, lane * per), e = min(n, b + per);
+    int local = 0;
+    for (int i = b; i < e; ++i) local += v[i];
+    int incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += t;
+    }
+    int run = incl - local;
+    for (int i = b; i < e; ++i) {
+        const int c = v[i];
+        v[i] = run;
+        run += c;
+    }
+    return __shfl_sync(kFull, incl, 31);
+}
+
+__global__ void moe_plan_kernel(const int32_t * experts, int n_pairs, int n_expert, int nt, int32_t * pairs,
+                                int32_t * tiles, int32_t * n_tiles) {
+    extern __shared__ int sm[];
+    int * cnt = sm;                  // [E] pairs per expert
+    int * off = sm + n_expert;       // [E] first sorted slot
+    int * toff = sm + 2 * n_expert;  // [E] first tile
+    int * cur = sm + 3 * n_expert;   // [E] fill cursor
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = cur[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int e = experts[p];
+        if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        for (int e = threadIdx.x; e < n_expert; e += 32) {
+            off[e] = cnt[e];
+            toff[e] = (cnt[e] + nt - 1) / nt;
+        }
+        __syncwarp();
+        warp_exclusive_scan(off, n_expert);
+        const int total_tiles = warp_exclusive_scan(toff, n_expert);
+        if (threadIdx.x == 0) *n_tiles = total_tiles;
+    }
+    __syncthreads();
+    // Order inside an expert follows the atomics; every pair's result is computed alone, so it does not matter.
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int e = experts[p];
+        if (e >= 0 && e < n_expert) pairs[off[e] + atomicAdd(&cur[e], 1)] = p;
+    }
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
+        for (int i = 0; i * nt < cnt[e]; ++i) {
+            int32_t * t = tiles + 3 * (toff[e] + i);
+            t[0] = e;
+            t[1] = off[e] + i * nt;
+            t[2] = min(nt, cnt[e] - i * nt);
+        }
+}
+
+__global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int k,
+                                   int n_expert, int64_t width, float * out) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n * width) return;
+    const int64_t t = i / width, c = i % width;
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        const int e = experts[t * k + j];
+        if (e >= 0 && e < n_expert) s += weights[t * k + j] * ybuf[(t * k + j) * width + c];
+    }
+    out[i] = s;
+}
+
+}  // namespace
+
+int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows) {
+    return is_float(w) ? 0 : rows * act_row_bytes(act_of(w), k);
+}
+
+void matvec_quantize(GgmlType w, const float * x, int64_t x_stride, int64_t n, int groups, int64_t k, uint8_t * dst,
+                     cudaStream_t s) {
+    if (is_float(w) || n <= 0) return;
+    const Act act = act_of(w);
+    const int64_t blocks = n * groups * (act == Act::q8a ? k / 32 : k / 256);
+    const unsigned grid = unsigned((blocks + kWarps - 1) / kWarps);
+    if (act == Act::q8a)
+        quantize_rows_kernel<Act::q8a><<<grid, kThreads, 0, s>>>(x, x_stride, n * groups, groups, int(k), dst);
+    else
+        quantize_rows_kernel<Act::q8k><<<grid, kThreads, 0, s>>>(x, x_stride, n * groups, groups, int(k), dst);
+}
+
+int matvec_tile_tokens(const MatvecArgs & a, int64_t n) {
+    int nt = n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+    if (!is_float(a.w.type))
+        while (nt > 1 && quant_smem(a.w.type, nt, a.w.ne0) > kMaxActSmem) nt /= 2;
+    return nt;
+}
+
+void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) {
+    if (max_tiles <= 0 || args.rows <= 0) return;
+    MatvecArgs a = args;
+    // Few rows (a small projection at decode): warps share row groups, each taking a slice of K, until the
+    // launch has about two blocks per multiprocessor.
+    const int64_t sms = device_sms();
+    auto row_blocks = [&](int split) {
+        const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
+        return (a.rows + per_block - 1) / per_block;
+    };
+    a.split = 1;
+    while (a.split < kWarps && row_blocks(a.split) * max_tiles * a.groups < 2 * sms) a.split *= 2;
+    // Enough blocks to fill the GPU a few times over; each block loops over its rows, so its activation tile is
+    // quantized once for many rows.
+    const int64_t per_tile = std::max<int64_t>(1, sms * 8 / (max_tiles * a.groups));
+    const dim3 grid(unsigned(std::min(row_blocks(a.split), per_tile)), unsigned(max_tiles), unsigned(a.groups));
+    switch (nt) {
+        case 1:
+            return launch_glu<1>(a, grid, s);
+        case 2:
+            return launch_glu<2>(a, grid, s);
+        case 4:
+            return launch_glu<4>(a, grid, s);
+        default:
+            return launch_glu<8>(a, grid, s);
+    }
+}
+
+void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
+              int32_t * tiles, int32_t * n_tiles, cudaStream_t s) {
+    const size_t smem = size_t(4 * n_expert) * sizeof(int);
+    if (smem > 48 * 1024) cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    moe_plan_kernel<<<1, 1024, smem, s>>>(experts, int(n_pairs), int(n_expert), tile_tokens, pairs, tiles, n_tiles);
+}
+
+void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
+                 int64_t n_expert, int64_t width, float * out, cudaStream_t s) {
+    const int64_t total = n * width;
+    moe_combine_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(ybuf, experts, weights, n, int(k), int(n_expert),
+                                                                     width, out);
+}
+
+}  // namespace dsv4::cuda

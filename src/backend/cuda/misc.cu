@@ -1,0 +1,473 @@
+// Element-wise and per-row ops: weight re-layout, embedding rows, RMSNorm, RoPE, SwiGLU, the official FP8/FP4
+// round trips, hyper-connections (mixing weights, Sinkhorn, stream sums) and the MoE router. Float arithmetic
+// follows the CPU backend's expressions (double sums of squares, the same FP8/FP4 bit rules).
+#include "backend/cuda/common.cuh"
+
+#include <algorithm>
+#include <climits>
+
+namespace dsv4::cuda {
+
+BlockSplit block_split(GgmlType type) {
+    switch (type) {
+        case GgmlType::Q8_0:
+            return {34, 2, 32};
+        case GgmlType::IQ2_XXS:
+            return {66, 2, 64};
+        case GgmlType::MXFP4:
+            return {17, 1, 16};
+        case GgmlType::Q2_K:
+            return {84, 0, 80};
+        default:
+            return {0, 0, 0};
+    }
+}
+
+namespace {
+
+unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Weights and rows
+// ---------------------------------------------------------------------------------------------------------------------
+__global__ void repack_kernel(BlockSplit sp, const uint8_t * src, uint8_t * dst, int64_t first, int64_t n,
+                              int64_t total) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const uint8_t * b = src + i * sp.block_bytes;
+    const int64_t gb = first + i;
+    uint8_t * pay = dst + gb * sp.payload_bytes;
+    const int scale_bytes = sp.block_bytes - sp.payload_bytes;
+    uint8_t * sc = dst + total * sp.payload_bytes + gb * scale_bytes;
+    for (int j = 0; j < sp.payload_bytes; ++j) pay[j] = b[sp.payload_offset + j];
+    int o = 0;
+    for (int j = 0; j < sp.block_bytes; ++j)
+        if (j < sp.payload_offset || j >= sp.payload_offset + sp.payload_bytes) sc[o++] = b[j];
+}
+
+__global__ void fill_kernel(float * dst, int64_t n, float v) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = v;
+}
+
+__global__ void get_rows_kernel(WeightRef table, const int32_t * ids, float * out) {
+    const int64_t t = blockIdx.y;
+    const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c < table.ne0) out[t * table.ne0 + c] = weight_element(table, ids[t], c);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Norms, RoPE, element-wise
+// ---------------------------------------------------------------------------------------------------------------------
+__global__ void rms_norm_kernel(const float * x, const float * gamma, float * y, int64_t width, float eps) {
+    __shared__ double red[32];
+    const float * xr = x + int64_t(blockIdx.x) * width;
+    float * yr = y + int64_t(blockIdx.x) * width;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += double(xr[i]) * double(xr[i]);
+    ss = block_sum(ss, red);
+    const float scale = 1.0f / sqrtf(float(ss / double(width)) + eps);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = xr[i] * scale;
+        yr[i] = gamma ? gamma[i] * v : v;
+    }
+}
+
+__global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
+                            const int32_t * positions, bool inverse) {
+    const int half = n_rot / 2;
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n * heads * half) return;
+    const int64_t pair = i % half, th = i / half, t = th / heads;
+    const float ang = float(positions[t]) * inv_freq[pair];
+    const float c = cosf(ang), s = inverse ? -sinf(ang) : sinf(ang);
+    float * v = x + th * width + (width - n_rot) + 2 * pair;
+    const float a = v[0], b = v[1];
+    v[0] = a * c - b * s;
+    v[1] = a * s + b * c;
+}
+
+__global__ void add_kernel(const float * a, const float * b, float * out, int64_t n) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+
+__global__ void swiglu_kernel(const float * g, const float * u, float * out, int64_t n, float limit) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = swiglu_one(g[i], u[i], limit);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// FP8 / FP4 round trips
+// ---------------------------------------------------------------------------------------------------------------------
+// Blocks of 64 over [0, n_dims); a trailing partial block is rounded as a block of its own (as the CPU does).
+__global__ void fp8_kernel(float * x, int64_t rows, int64_t width, int64_t n_dims) {
+    const int64_t full = n_dims / 64, per_row = full + (n_dims > full * 64 ? 1 : 0);
+    const int64_t blk = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    if (blk >= rows * per_row) return;
+    const int64_t r = blk / per_row, b = blk % per_row;
+    const int len = b < full ? 64 : int(n_dims - full * 64);
+    roundtrip_block<true>(x + r * width + b * 64, len);
+}
+
+// One block per row; the row is staged in shared memory (width floats).
+__global__ void hadamard_fp4_kernel(float * x, int64_t width) {
+    extern __shared__ float row[];
+    float * xr = x + int64_t(blockIdx.x) * width;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = xr[i];
+    __syncthreads();
+    hadamard_fp4_shared(row, width);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) xr[i] = row[i];
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Hyper-connections
+// ---------------------------------------------------------------------------------------------------------------------
+constexpr int kMaxMix = 48;
+constexpr int kHcChunk = 256;  // stream-row values per partial block: 64 blocks for one V4 token
+constexpr int kThreadsHc = 256;
+
+__global__ void hc_expand_kernel(const float * x, float * streams, int64_t n, int64_t hc, int64_t width) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n * hc * width) return;
+    const int64_t t = i / (hc * width), c = i % width;
+    streams[i] = x[t * width + c];
+}
+
+__host__ __device__ inline int64_t mix_record(int64_t n_mix) {
+    return 2 + n_mix + (n_mix & 1);
+}  // [double ss][n_mix floats], 8-aligned
+
+// The mixing matrix is F16 in every quantized file and F32 in f32 ones; other types take the generic path.
+enum class FnKind { f16, f32, any };
+
+template <FnKind K>
+__device__ __forceinline__ float fn_element(const WeightRef & w, int64_t r, int64_t e) {
+    if constexpr (K == FnKind::f16)
+        return f16_bits_to_f32(reinterpret_cast<const uint16_t *>(w.data)[r * w.ne0 + e]);
+    else if constexpr (K == FnKind::f32)
+        return reinterpret_cast<const float *>(w.data)[r * w.ne0 + e];
+    else
+        return weight_element(w, r, e);
+}
+
+// Partial sums of x·x (double) and fn·x over one chunk of one token's hc·D stream row.
+template <FnKind K>
+__global__ void hc_partial_kernel(HcArgs a, int n_mix) {
+    __shared__ float red[kThreadsHc / 32][kMaxMix];
+    __shared__ double red_ss[kThreadsHc / 32];
+    const int64_t len = a.hc * a.width;
+    const int64_t t = blockIdx.y, chunk = blockIdx.x;
+    const float * x = a.streams + t * len;
+    float acc[kMaxMix];
+#pragma unroll
+    for (int r = 0; r < kMaxMix; ++r) acc[r] = 0.0f;
+    double ss = 0;
+    for (int64_t e = chunk * kHcChunk + threadIdx.x; e < min(len, (chunk + 1) * kHcChunk); e += blockDim.x) {
+        const float v = x[e];
+        ss += double(v) * double(v);
+#pragma unroll
+        for (int r = 0; r < kMaxMix; ++r)
+            if (r < n_mix) acc[r] += fn_element<K>(a.fn, r, e) * v;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < kMaxMix; ++r) {
+        if (r >= n_mix) break;
+        const float s = warp_sum(acc[r]);
+        if (lane == 0) red[warp][r] = s;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red_ss[warp] = ss;
+    __syncthreads();
+    const int64_t rec = mix_record(n_mix);
+    float * out = a.partial + (t * gridDim.x + chunk) * rec;
+    if (threadIdx.x < n_mix) {
+        float s = 0;
+        for (int w = 0; w < int(blockDim.x / 32); ++w) s += red[w][threadIdx.x];
+        out[2 + threadIdx.x] = s;
+    }
+    if (threadIdx.x == 0) {
+        double s = 0;
+        for (int w = 0; w < int(blockDim.x / 32); ++w) s += red_ss[w];
+        *reinterpret_cast<double *>(out) = s;
+    }
+}
+
+// Sinkhorn on hc×hc (source i, destination j), as the CPU backend: row softmax + eps, a column normalisation,
+// then (iters - 1) rounds of row then column normalisation, each denominator plus eps.
+__device__ void sinkhorn(float * c, int hc, int iters, float eps) {
+    for (int i = 0; i < hc; ++i) {
+        float * row = c + i * hc;
+        float m = row[0];
+        for (int j = 1; j < hc; ++j) m = fmaxf(m, row[j]);
+        float s = 0;
+        for (int j = 0; j < hc; ++j) s += row[j] = expf(row[j] - m);
+        for (int j = 0; j < hc; ++j) row[j] = row[j] / s + eps;
+    }
+    for (int j = 0; j < hc; ++j) {
+        float s = 0;
+        for (int i = 0; i < hc; ++i) s += c[i * hc + j];
+        for (int i = 0; i < hc; ++i) c[i * hc + j] /= s + eps;
+    }
+    for (int it = 1; it < iters; ++it) {
+        for (int i = 0; i < hc; ++i) {
+            float s = 0;
+            for (int j = 0; j < hc; ++j) s += c[i * hc + j];
+            for (int j = 0; j < hc; ++j) c[i * hc + j] /= s + eps;
+        }
+        for (int j = 0; j < hc; ++j) {
+            float s = 0;
+            for (int i = 0; i < hc; ++i) s += c[i * hc + j];
+            for (int i = 0; i < hc; ++i) c[i * hc + j] /= s + eps;
+        }
+    }
+}
+
+// The same Sinkhorn for hc = 4 (V4's stream count) by 16 lanes of one warp, lane 4i + j owning c[i][j]: row sums
+// over lanes xor 1, 2 and column sums over lanes xor 4, 8 replace the serial loops (the serial version is a chain
+// of ~2000 dependent divisions per call).
+__device__ float sinkhorn4(float c, int iters, float eps) {
+    const int lane = threadIdx.x & 31;
+    auto row_sum = [](float v) {
+        v += __shfl_xor_sync(kFull, v, 1);
+        return v + __shfl_xor_sync(kFull, v, 2);
+    };
+    auto col_sum = [](float v) {
+        v += __shfl_xor_sync(kFull, v, 4);
+        return v + __shfl_xor_sync(kFull, v, 8);
+    };
+    float m = c;
+    m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));
+    c = expf(c - m);
+    c = c / row_sum(c) + eps;
+    c /= col_sum(c) + eps;
+    for (int it = 1; it < iters; ++it) {
+        c /= row_sum(c) + eps;
+        c /= col_sum(c) + eps;
+    }
+    return lane < 16 ? c : 0.0f;
+}
+
+__global__ void hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
+    __shared__ float mix[kMaxMix];
+    __shared__ float w[16];
+    __shared__ float comb[256];
+    const int64_t t = blockIdx.x;
+    const int hc = int(a.hc);
+    const int64_t rec = mix_record(n_mix);
+    const float * part = a.partial + t * chunks * rec;
+    __shared__ double ss_total;
+    // One thread per mixing weight (and one for the sum of squares) adds up the chunks in order.
+    if (int(threadIdx.x) < n_mix) {
+        float s = 0;
+        for (int c = 0; c < chunks; ++c) s += part[c * rec + 2 + threadIdx.x];
+        mix[threadIdx.x] = s;
+    } else if (int(threadIdx.x) == n_mix) {
+        double ss = 0;
+        for (int c = 0; c < chunks; ++c) ss += *reinterpret_cast<const double *>(part + c * rec);
+        ss_total = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const float scale = 1.0f / sqrtf(float(ss_total / double(a.hc * a.width)) + a.eps_norm);
+        for (int r = 0; r < n_mix; ++r) mix[r] *= scale;
+        for (int h = 0; h < hc; ++h) w[h] = sigmoidf_(mix[h] * a.scale[0] + a.base[h]) + a.eps_hc;
+        if (!a.head) {
+            for (int h = 0; h < hc; ++h)
+                a.post[t * hc + h] = 2.0f * sigmoidf_(mix[hc + h] * a.scale[1] + a.base[hc + h]);
+            for (int i = 0; i < hc * hc; ++i) comb[i] = mix[2 * hc + i] * a.scale[2] + a.base[2 * hc + i];
+            if (hc != 4) {
+                sinkhorn(comb, hc, a.iters, a.eps_hc);
+                for (int i = 0; i < hc * hc; ++i) a.comb[t * hc * hc + i] = comb[i];
+            }
+        }
+    }
+    __syncthreads();
+    if (!a.head && hc == 4 && threadIdx.x < 32) {
+        const float c = sinkhorn4(threadIdx.x < 16 ? comb[threadIdx.x] : 0.0f, a.iters, a.eps_hc);
+        if (threadIdx.x < 16) a.comb[t * 16 + threadIdx.x] = c;
+    }
+    __syncthreads();
+    const float * x = a.streams + t * hc * a.width;
+    for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) {
+        float s = 0;
+        for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
+        a.y[t * a.width + c] = s;
+    }
+}
+
+__global__ void hc_post_kernel(const float * streams, const float * o, const float * post, const float * comb,
+                               float * out, int64_t n, int64_t hc, int64_t width) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n * hc * width) return;
+    const int64_t c = i % width, tj = i / width, t = tj / hc, j = tj % hc;
+    const float * x = streams + t * hc * width;
+    const float * ct = comb + t * hc * hc;
+    float s = post[t * hc + j] * o[t * width + c];
+    for (int64_t k = 0; k < hc; ++k) s += ct[k * hc + j] * x[k * width + c];
+    out[i] = s;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Router: one warp per token
+// ---------------------------------------------------------------------------------------------------------------------
+constexpr int kRouterWarps = 4;
+
+__global__ void router_kernel(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens,
+                              int64_t n, int n_expert, int k, float route_scale, int32_t * experts, float * weights) {
+    extern __shared__ float sm_router[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
+    if (t >= n) return;
+    float * p = sm_router + warp * 2 * n_expert;
+    float * score = p + n_expert;
+    const float * lt = logits + t * n_expert;
+    for (int e = lane; e < n_expert; e += 32) {
+        const float x = lt[e];
+        p[e] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+        score[e] = p[e] + (bias ? bias[e] : 0.0f);
+    }
+    __syncwarp();
+    int32_t * et = experts + t * k;
+    if (tid2eid) {
+        for (int j = lane; j < k; j += 32) et[j] = tid2eid[int64_t(tokens[t]) * k + j];
+    } else {
+        // k rounds of arg-max: highest score, ties to the lower id (the CPU's partial_sort order).
+        for (int j = 0; j < k; ++j) {
+            float best = -INFINITY;
+            int best_e = INT_MAX;
+            for (int e = lane; e < n_expert; e += 32) {
+                const float s = score[e];
+                if (s != s) continue;
+                if (best_e == INT_MAX || s > best || (s == best && e < best_e)) {
+                    best = s;
+                    best_e = e;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(kFull, best, o);
+                const int oe = __shfl_xor_sync(kFull, best_e, o);
+                if (oe != INT_MAX && (best_e == INT_MAX || ob > best || (ob == best && oe < best_e))) {
+                    best = ob;
+                    best_e = oe;
+                }
+            }
+            if (lane == 0) et[j] = best_e == INT_MAX ? 0 : best_e;
+            if (best_e != INT_MAX && lane == best_e % 32) score[best_e] = __int_as_float(0x7fffffff);  // NaN: taken
+            __syncwarp();
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        float sum = 0;
+        for (int j = 0; j < k; ++j) {
+            const int e = et[j];
+            sum += (e >= 0 && e < n_expert) ? p[e] : 0.0f;
+        }
+        const float norm = route_scale / (sum + 1e-20f);
+        for (int j = 0; j < k; ++j) {
+            const int e = et[j];
+            weights[t * k + j] = (e >= 0 && e < n_expert) ? p[e] * norm : 0.0f;
+        }
+    }
+}
+
+}  // namespace
+
+void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t first_block, int64_t n_blocks,
+                   int64_t total_blocks, cudaStream_t s) {
+    if (n_blocks <= 0) return;
+    repack_kernel<<<blocks_for(n_blocks, 256), 256, 0, s>>>(block_split(type), src, dst, first_block, n_blocks,
+                                                            total_blocks);
+}
+
+void fill_f32(float * dst, int64_t n, float value, cudaStream_t s) {
+    if (n > 0) fill_kernel<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, value);
+}
+
+void get_rows(const WeightRef & table, const int32_t * ids, int64_t n, float * out, cudaStream_t s) {
+    if (n > 0) get_rows_kernel<<<dim3(blocks_for(table.ne0, 256), unsigned(n)), 256, 0, s>>>(table, ids, out);
+}
+
+void rms_norm(const float * x, const float * gamma, float * y, int64_t rows, int64_t width, float eps, cudaStream_t s) {
+    if (rows > 0) rms_norm_kernel<<<unsigned(rows), width >= 1024 ? 256 : 128, 0, s>>>(x, gamma, y, width, eps);
+}
+
+void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
+          const int32_t * positions, bool inverse, cudaStream_t s) {
+    const int64_t total = n * heads * (n_rot / 2);
+    if (total > 0)
+        rope_kernel<<<blocks_for(total, 256), 256, 0, s>>>(x, n, heads, width, inv_freq, n_rot, positions, inverse);
+}
+
+void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s) {
+    if (n > 0) add_kernel<<<blocks_for(n, 256), 256, 0, s>>>(a, b, out, n);
+}
+
+void swiglu(const float * gate, const float * up, float * out, int64_t n, float limit, cudaStream_t s) {
+    if (n > 0) swiglu_kernel<<<blocks_for(n, 256), 256, 0, s>>>(gate, up, out, n, limit);
+}
+
+void fp8_roundtrip(float * x, int64_t rows, int64_t width, int64_t n_dims, cudaStream_t s) {
+    const int64_t per_row = n_dims / 64 + (n_dims % 64 ? 1 : 0);
+    if (rows > 0 && per_row > 0)
+        fp8_kernel<<<blocks_for(rows * per_row * 32, 256), 256, 0, s>>>(x, rows, width, n_dims);
+}
+
+void hadamard_fp4_roundtrip(float * x, int64_t rows, int64_t width, cudaStream_t s) {
+    if (rows <= 0) return;
+    const size_t smem = size_t(width) * sizeof(float);
+    if (smem > 48 * 1024)
+        cudaFuncSetAttribute(hadamard_fp4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    hadamard_fp4_kernel<<<unsigned(rows), 128, smem, s>>>(x, width);
+}
+
+void hc_expand(const float * x, float * streams, int64_t n, int64_t hc, int64_t width, cudaStream_t s) {
+    const int64_t total = n * hc * width;
+    if (total > 0) hc_expand_kernel<<<blocks_for(total, 256), 256, 0, s>>>(x, streams, n, hc, width);
+}
+
+int64_t hc_n_mix(int64_t hc, bool head) { return head ? hc : (2 + hc) * hc; }
+
+int64_t hc_partial_floats(int64_t n, int64_t hc, int64_t width, int64_t n_mix) {
+    return n * ((hc * width + kHcChunk - 1) / kHcChunk) * mix_record(n_mix);
+}
+
+void hc_mix(const HcArgs & a, cudaStream_t s) {
+    if (a.n <= 0) return;
+    const int n_mix = int(hc_n_mix(a.hc, a.head));
+    const int chunks = int((a.hc * a.width + kHcChunk - 1) / kHcChunk);
+    const dim3 grid(unsigned(chunks), unsigned(a.n));
+    switch (a.fn.type) {
+        case GgmlType::F16:
+            hc_partial_kernel<FnKind::f16><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            break;
+        case GgmlType::F32:
+            hc_partial_kernel<FnKind::f32><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            break;
+        default:
+            hc_partial_kernel<FnKind::any><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            break;
+    }
+    hc_finish_kernel<<<unsigned(a.n), 256, 0, s>>>(a, n_mix, chunks);
+}
+
+void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
+             int64_t hc, int64_t width, cudaStream_t s) {
+    const int64_t total = n * hc * width;
+    if (total > 0) hc_post_kernel<<<blocks_for(total, 256), 256, 0, s>>>(streams, o, post, comb, out, n, hc, width);
+}
+
+void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
+            int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s) {
+    if (n <= 0) return;
+    const size_t smem = size_t(kRouterWarps) * 2 * size_t(n_expert) * sizeof(float);
+    if (smem > 48 * 1024) cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    router_kernel<<<blocks_for(n, kRouterWarps), kRouterWarps * 32, smem, s>>>(
+        logits, bias, tid2eid, tokens, n, int(n_expert), int(k), route_scale, experts, weights);
+}
+
+}  // namespace dsv4::cuda

@@ -1,0 +1,706 @@
+// Every op of the CUDA backend against the CPU reference (backend/cpu) on random inputs (never zeros), at small
+// shapes and at DeepSeek V4 Flash's real ones. GPU outputs are poisoned (NaN, or -7777 for ids) before each op so
+// an unwritten element fails. Quantized weights are compared with the CPU's quantize_activations mode (the GPU
+// quantizes activations by the same rules, so only float summation order differs); float weights and every
+// other op with either mode. Each case prints its error; exits 77 (ctest: skipped) without a GPU.
+#include "backend/backend.h"
+#include "backend/cuda.h"
+#include "format/quant.h"
+#include "util/half.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+
+using namespace dsv4;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Backends and tensors on both sides
+// ---------------------------------------------------------------------------------------------------------------------
+Backend & gpu() {
+    static std::unique_ptr<Backend> b = make_cuda_backend({});
+    return *b;
+}
+Backend & cpu(bool quantize_activations = true) {
+    static std::unique_ptr<Backend> q = make_cpu_backend({0, true});
+    static std::unique_ptr<Backend> f = make_cpu_backend({0, false});
+    return quantize_activations ? *q : *f;
+}
+
+std::mt19937_64 & rng() {
+    static std::mt19937_64 r(1234);
+    return r;
+}
+
+std::vector<float> randn(size_t n, float scale = 1.0f) {
+    std::normal_distribution<float> d(0.0f, scale);
+    std::vector<float> v(n);
+    for (float & x : v) x = d(rng());
+    return v;
+}
+
+// A tensor with the same contents on the CPU (both reference modes share host memory) and on the GPU.
+struct Both {
+    Tensor c, g;
+};
+
+class Store {
+  public:
+    Both make(GgmlType type, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1) {
+        Tensor t = make_tensor(type, nullptr, ne0, ne1, ne2, ne3);
+        const size_t bytes = type == GgmlType::I32 ? size_t(t.n_elements()) * 4 : t.n_bytes();
+        cpu_.push_back(cpu().alloc(bytes));
+        gpu_.push_back(gpu().alloc(bytes));
+        Both b{t, t};
+        b.c.data = cpu_.back()->data();
+        b.g.data = gpu_.back()->data();
+        return b;
+    }
+    Both values(const std::vector<float> & v, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1) {
+        Both b = make(GgmlType::F32, ne0, ne1, ne2, ne3);
+        EXPECT_EQ(v.size(), size_t(b.c.n_elements()));
+        set(b, v.data(), v.size() * 4);
+        return b;
+    }
+    Both ids(const std::vector<int32_t> & v, int64_t ne0, int64_t ne1 = 1) {
+        Both b = make(GgmlType::I32, ne0, ne1);
+        set(b, v.data(), v.size() * 4);
+        return b;
+    }
+    // An output: zero on the CPU, poisoned on the GPU.
+    Both out(GgmlType type, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1) {
+        Both b = make(type, ne0, ne1, ne2, ne3);
+        const size_t n = size_t(b.c.n_elements());
+        std::memset(b.c.data, 0, n * 4);
+        if (type == GgmlType::I32) {
+            std::vector<int32_t> p(n, -7777);
+            gpu().write(b.g, p.data(), n * 4);
+        } else {
+            gpu().fill(b.g, std::numeric_limits<float>::quiet_NaN());
+        }
+        return b;
+    }
+    static void set(const Both & b, const void * data, size_t bytes) {
+        std::memcpy(b.c.data, data, bytes);
+        gpu().write(b.g, data, bytes);
+    }
+    // A weight of any type with random codes (scales kept sane), uploaded to both backends.
+    Both weight(GgmlType type, int64_t ne0, int64_t ne1, int64_t ne2 = 1) {
+        Tensor t = make_tensor(type, nullptr, ne0, ne1, ne2);
+        host_.emplace_back(t.n_bytes());
+        std::vector<uint8_t> & h = host_.back();
+        random_weight(type, ne0, t.rows(), h.data());
+        t.data = h.data();
+        std::unique_ptr<BackendBuffer> storage;
+        Both b{cpu().upload_weight(t, nullptr), gpu().upload_weight(t, &storage)};
+        gpu_.push_back(std::move(storage));
+        return b;
+    }
+
+    static void random_weight(GgmlType type, int64_t ne0, int64_t rows, uint8_t * dst) {
+        std::uniform_int_distribution<int> byte(0, 255);
+        std::uniform_real_distribution<float> u(0.5f, 1.5f);
+        const float fan = 1.0f / std::sqrt(float(ne0));
+        if (type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16) {
+            const std::vector<float> v = randn(size_t(ne0 * rows), fan);
+            for (int64_t r = 0; r < rows; ++r)
+                quantize_row(type, v.data() + r * ne0, dst + size_t(r) * row_bytes(type, ne0), ne0);
+            return;
+        }
+        const size_t bytes = row_bytes(type, ne0) * size_t(rows);
+        for (size_t i = 0; i < bytes; ++i) dst[i] = uint8_t(byte(rng()));
+        const TypeTraits & tr = type_traits(type);
+        const size_t nb = bytes / tr.block_bytes;
+        auto put16 = [](uint8_t * p, float v) {
+            const uint16_t h = f32_to_f16(v);
+            std::memcpy(p, &h, 2);
+        };
+        for (size_t i = 0; i < nb; ++i) {
+            uint8_t * b = dst + i * tr.block_bytes;
+            switch (type) {
+                case GgmlType::Q8_0:
+                    put16(b, fan / 64 * u(rng()));
+                    break;
+                case GgmlType::Q2_K:
+                    put16(b + 80, fan / 8 * u(rng()));
+                    put16(b + 82, fan / 16 * u(rng()));
+                    break;
+                case GgmlType::Q4_K:
+                    put16(b, fan / 64 * u(rng()));
+                    put16(b + 2, fan / 32 * u(rng()));
+                    break;
+                case GgmlType::IQ2_XXS:
+                    put16(b, fan / 16 * u(rng()));
+                    break;
+                case GgmlType::MXFP4:
+                    b[0] = uint8_t(118 + byte(rng()) % 6);
+                    break;
+                default:
+                    break;
+            }
+        }
+    }
+
+  private:
+    std::deque<std::vector<uint8_t>> host_;
+    std::vector<std::unique_ptr<BackendBuffer>> cpu_, gpu_;
+};
+
+std::vector<float> read_gpu(const Tensor & t) {
+    std::vector<float> v(size_t(t.n_elements()));
+    gpu().read(t, v.data(), v.size() * 4);
+    return v;
+}
+std::vector<int32_t> read_gpu_ids(const Tensor & t) {
+    std::vector<int32_t> v(size_t(t.n_elements()));
+    gpu().read(t, v.data(), v.size() * 4);
+    return v;
+}
+
+// max |got - ref| over the reference's RMS (equal values, infinities included, count as exact); fails on a
+// non-finite result where the reference is finite.
+double compare(const std::string & what, const float * ref, const std::vector<float> & got, double tol) {
+    double ss = 0, max_abs = 0;
+    size_t bad = 0, finite = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (std::isfinite(ref[i])) {
+            ss += double(ref[i]) * ref[i];
+            ++finite;
+        }
+        if (got[i] == ref[i]) continue;
+        if (!std::isfinite(got[i]) || !std::isfinite(ref[i])) {
+            ++bad;
+            continue;
+        }
+        max_abs = std::max(max_abs, std::fabs(double(got[i]) - double(ref[i])));
+    }
+    const double rms = std::sqrt(ss / double(std::max<size_t>(finite, 1)));
+    const double rel = max_abs / std::max(rms, 1e-30);
+    std::printf("  %-58s max|err| %.3g  rel %.3g  (rms %.3g, n %zu)\n", what.c_str(), max_abs, rel, rms, got.size());
+    EXPECT_EQ(bad, 0u) << what << ": non-finite or unwritten values";
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+}
+double compare(const std::string & what, const Both & t, double tol) {
+    return compare(what, t.c.f32(), read_gpu(t.g), tol);
+}
+
+// For outputs that end in a rounding step (FP8, FP4): an input that differs in the last bit may round to the
+// neighbouring code, so count the elements off by more than float noise instead.
+void compare_rounded(const std::string & what, const Both & t, double max_fraction) {
+    const std::vector<float> got = read_gpu(t.g);
+    const float * ref = t.c.f32();
+    double ss = 0;
+    for (size_t i = 0; i < got.size(); ++i) ss += double(ref[i]) * ref[i];
+    const double rms = std::sqrt(ss / double(std::max<size_t>(got.size(), 1)));
+    size_t off = 0, bad = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (!std::isfinite(got[i]))
+            ++bad;
+        else if (std::fabs(double(got[i]) - ref[i]) > 1e-5 * rms)
+            ++off;
+    }
+    std::printf("  %-58s %zu of %zu elements off by a rounding step\n", what.c_str(), off, got.size());
+    EXPECT_EQ(bad, 0u) << what;
+    EXPECT_LE(double(off), max_fraction * double(got.size())) << what;
+}
+
+std::string shape(const Tensor & t) {
+    return "[" + std::to_string(t.ne[0]) + "," + std::to_string(t.ne[1]) + "," + std::to_string(t.ne[2]) + "," +
+           std::to_string(t.ne[3]) + "]";
+}
+
+bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
+
+std::vector<float> inv_freq(int n_rot, float base) {
+    std::vector<float> f(size_t(n_rot / 2));
+    for (int i = 0; i < n_rot / 2; ++i) f[size_t(i)] = 1.0f / std::pow(base, float(2 * i) / float(n_rot));
+    return f;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Dense ops
+// ---------------------------------------------------------------------------------------------------------------------
+struct MatCase {
+    GgmlType type;
+    int64_t in, out, n;
+};
+
+class Matmul : public ::testing::TestWithParam<MatCase> {};
+
+TEST_P(Matmul, MatchesCpu) {
+    const MatCase m = GetParam();
+    Store s;
+    const Both w = s.weight(m.type, m.in, m.out);
+    const Both x = s.values(randn(size_t(m.in * m.n)), m.in, m.n);
+    const Both y = s.out(GgmlType::F32, m.out, m.n);
+    gpu().matmul(w.g, x.g, y.g);
+    cpu(true).matmul(w.c, x.c, y.c);
+    const std::string what =
+        std::string("matmul ") + std::string(type_name(m.type)) + " " + shape(w.c) + " n=" + std::to_string(m.n);
+    compare(what + " vs cpu", y, 1e-4);
+    // Against f32 activations: exact for float weights, the 8-bit activation error otherwise.
+    Both yf = s.out(GgmlType::F32, m.out, m.n);
+    cpu(false).matmul(w.c, x.c, yf.c);
+    compare(what + " vs cpu f32 act", yf.c.f32(), read_gpu(y.g), is_float_type(m.type) ? 1e-4 : 0.1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, Matmul,
+                         ::testing::Values(
+                             // every type, small and odd token counts (tiles of 8 with a remainder)
+                             MatCase{GgmlType::F32, 256, 96, 1}, MatCase{GgmlType::F32, 100, 37, 11},
+                             MatCase{GgmlType::F32, 37, 5, 3}, MatCase{GgmlType::F16, 256, 96, 3},
+                             MatCase{GgmlType::F16, 24, 10, 9}, MatCase{GgmlType::BF16, 512, 64, 17},
+                             MatCase{GgmlType::Q8_0, 256, 96, 1}, MatCase{GgmlType::Q8_0, 64, 33, 13},
+                             MatCase{GgmlType::Q2_K, 512, 70, 1}, MatCase{GgmlType::Q2_K, 256, 64, 21},
+                             MatCase{GgmlType::Q4_K, 512, 70, 2}, MatCase{GgmlType::Q4_K, 256, 64, 33},
+                             MatCase{GgmlType::IQ2_XXS, 512, 70, 1}, MatCase{GgmlType::IQ2_XXS, 256, 64, 19},
+                             MatCase{GgmlType::MXFP4, 256, 70, 1}, MatCase{GgmlType::MXFP4, 96, 64, 10},
+                             // V4 Flash: q_a, q_b, kv, o_b, shared expert (Q8_0); compressor, indexer, router (F16)
+                             MatCase{GgmlType::Q8_0, 4096, 1024, 1}, MatCase{GgmlType::Q8_0, 1024, 32768, 1},
+                             MatCase{GgmlType::Q8_0, 1024, 32768, 9}, MatCase{GgmlType::Q8_0, 4096, 512, 1},
+                             MatCase{GgmlType::Q8_0, 8192, 4096, 1}, MatCase{GgmlType::Q8_0, 8192, 4096, 40},
+                             MatCase{GgmlType::Q8_0, 4096, 2048, 1}, MatCase{GgmlType::Q8_0, 2048, 4096, 3},
+                             MatCase{GgmlType::F16, 4096, 1024, 1}, MatCase{GgmlType::F16, 1024, 8192, 2},
+                             MatCase{GgmlType::F16, 4096, 256, 1}, MatCase{GgmlType::F16, 4096, 64, 5},
+                             MatCase{GgmlType::IQ2_XXS, 4096, 2048, 1}, MatCase{GgmlType::Q2_K, 2048, 4096, 1},
+                             MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12}));
+
+TEST(Ops, MatmulGroupedOutputProjection) {
+    for (int64_t n : {1, 3, 20}) {
+        Store s;
+        const int64_t G = 8, in_g = 4096, out_g = 1024;
+        const Both w = s.weight(GgmlType::Q8_0, in_g, G * out_g);
+        const Both x = s.values(randn(size_t(G * in_g * n)), G * in_g, n);
+        const Both y = s.out(GgmlType::F32, G * out_g, n);
+        gpu().matmul_grouped(w.g, x.g, y.g, G);
+        cpu().matmul_grouped(w.c, x.c, y.c, G);
+        compare("matmul_grouped q8_0 o_a [4096, 8x1024] n=" + std::to_string(n), y, 1e-4);
+    }
+    Store s;
+    const Both w = s.weight(GgmlType::F32, 16, 2 * 24);
+    const Both x = s.values(randn(2 * 16 * 5), 32, 5);
+    const Both y = s.out(GgmlType::F32, 48, 5);
+    gpu().matmul_grouped(w.g, x.g, y.g, 2);
+    cpu().matmul_grouped(w.c, x.c, y.c, 2);
+    compare("matmul_grouped f32 [16, 2x24] n=5", y, 1e-5);
+}
+
+TEST(Ops, GetRows) {
+    for (GgmlType type : {GgmlType::F16, GgmlType::F32, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS,
+                          GgmlType::Q4_K, GgmlType::MXFP4, GgmlType::BF16}) {
+        Store s;
+        const Both table = s.weight(type, 512, 300);
+        std::vector<int32_t> ids = {0, 299, 17, 17, 150, 3};
+        const Both id = s.ids(ids, 6);
+        const Both out = s.out(GgmlType::F32, 512, 6);
+        gpu().get_rows(table.g, id.g, out.g);
+        cpu().get_rows(table.c, id.c, out.c);
+        compare("get_rows " + std::string(type_name(type)), out, 0.0);
+    }
+}
+
+TEST(Ops, RmsNormRopeAddSwiglu) {
+    Store s;
+    for (int64_t n : {1, 7}) {
+        const Both x = s.values(randn(size_t(4096 * n), 3.0f), 4096, n);
+        const Both g = s.values(randn(4096), 4096);
+        const Both y = s.out(GgmlType::F32, 4096, n);
+        gpu().rms_norm(x.g, g.g, y.g, 1e-6f);
+        cpu().rms_norm(x.c, g.c, y.c, 1e-6f);
+        compare("rms_norm [4096] gamma n=" + std::to_string(n), y, 1e-6);
+        const Both q = s.values(randn(size_t(512 * 64 * n)), 512, 64, 1, n);
+        gpu().rms_norm(q.g, Tensor{}, q.g, 1e-6f);  // in place, no gamma
+        cpu().rms_norm(q.c, Tensor{}, q.c, 1e-6f);
+        compare("rms_norm [512] x 64 heads in place n=" + std::to_string(n), q, 1e-6);
+
+        std::vector<int32_t> pos(static_cast<size_t>(n));
+        for (int64_t t = 0; t < n; ++t) pos[size_t(t)] = int32_t(t == 0 ? 131071 : 5 * t + 3);
+        const Both p = s.ids(pos, n);
+        RopeSpec sc, sg;
+        const Both f = s.values(inv_freq(64, 160000.0f), 32);
+        sc.inv_freq = f.c;
+        sg.inv_freq = f.g;
+        sc.n_rot = sg.n_rot = 64;
+        for (bool inverse : {false, true}) {
+            gpu().rope(q.g, sg, p.g, inverse);
+            cpu().rope(q.c, sc, p.c, inverse);
+            compare(std::string("rope 64 of 512 x 64 heads ") + (inverse ? "inverse" : "forward") +
+                        " n=" + std::to_string(n),
+                    q, 2e-5);
+        }
+        const Both a = s.values(randn(size_t(2048 * n), 4.0f), 2048, n),
+                   b = s.values(randn(size_t(2048 * n), 4.0f), 2048, n);
+        const Both o = s.out(GgmlType::F32, 2048, n);
+        gpu().add(a.g, b.g, o.g);
+        cpu().add(a.c, b.c, o.c);
+        compare("add", o, 0.0);
+        for (float limit : {0.0f, 10.0f}) {
+            const Both w = s.out(GgmlType::F32, 2048, n);
+            gpu().swiglu(a.g, b.g, w.g, limit);
+            cpu().swiglu(a.c, b.c, w.c, limit);
+            compare("swiglu limit " + std::to_string(limit), w, 1e-6);
+        }
+    }
+}
+
+TEST(Ops, OfficialRoundTrips) {
+    Store s;
+    for (auto [width, dims] : {std::pair<int64_t, int64_t>{512, 448}, {100, 100}, {64, 40}}) {
+        const Both x = s.values(randn(size_t(width * 9), 2.0f), width, 9);
+        gpu().fp8_roundtrip(x.g, dims);
+        cpu().fp8_roundtrip(x.c, dims);
+        compare("fp8_roundtrip width " + std::to_string(width) + " dims " + std::to_string(dims), x, 0.0);
+    }
+    for (int64_t width : {128, 16, 8, 1024}) {
+        const Both x = s.values(randn(size_t(width * 70), 0.7f), width, 70);
+        gpu().hadamard_fp4_roundtrip(x.g);
+        cpu().hadamard_fp4_roundtrip(x.c);
+        compare("hadamard_fp4_roundtrip width " + std::to_string(width), x, 0.0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Hyper-connections
+// ---------------------------------------------------------------------------------------------------------------------
+TEST(Ops, HyperConnections) {
+    for (auto [D, n, type] : {std::tuple<int64_t, int64_t, GgmlType>{4096, 1, GgmlType::F16},
+                              {4096, 3, GgmlType::F16},
+                              {64, 5, GgmlType::F32},
+                              {32, 2, GgmlType::BF16}}) {
+        Store s;
+        const int64_t hc = 4, mix = (2 + hc) * hc;
+        const std::string tag =
+            " D=" + std::to_string(D) + " n=" + std::to_string(n) + " " + std::string(type_name(type));
+        const Both x = s.values(randn(size_t(D * n)), D, n);
+        const Both st = s.out(GgmlType::F32, D, hc, 1, n);
+        gpu().hc_expand(x.g, st.g);
+        cpu().hc_expand(x.c, st.c);
+        compare("hc_expand" + tag, st, 0.0);
+        // Distinct streams for the mixing.
+        const Both streams = s.values(randn(size_t(D * hc * n), 2.0f), D, hc, 1, n);
+        const Both fn = s.weight(type, hc * D, mix);
+        const Both scale = s.values({0.9f, 1.1f, 0.7f}, 3);
+        const Both base = s.values(randn(size_t(mix), 0.5f), mix);
+        const Both y = s.out(GgmlType::F32, D, n), post = s.out(GgmlType::F32, hc, n),
+                   comb = s.out(GgmlType::F32, hc, hc, 1, n);
+        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, y.g, post.g, comb.g);
+        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, y.c, post.c, comb.c);
+        compare("hc_pre y" + tag, y, 1e-5);
+        compare("hc_pre post" + tag, post, 1e-5);
+        compare("hc_pre comb (Sinkhorn 20)" + tag, comb, 1e-5);
+        const Both o = s.values(randn(size_t(D * n)), D, n);
+        const Both out = s.out(GgmlType::F32, D, hc, 1, n);
+        gpu().hc_post(streams.g, o.g, post.g, comb.g, out.g);
+        cpu().hc_post(streams.c, o.c, post.c, comb.c, out.c);
+        compare("hc_post" + tag, out, 1e-5);
+        const Both hfn = s.weight(type, hc * D, hc);
+        const Both hscale = s.values({1.3f}, 1);
+        const Both hbase = s.values(randn(size_t(hc), 0.5f), hc);
+        const Both z = s.out(GgmlType::F32, D, n);
+        gpu().hc_head(streams.g, hfn.g, hscale.g, hbase.g, 1e-6f, 1e-6f, z.g);
+        cpu().hc_head(streams.c, hfn.c, hscale.c, hbase.c, 1e-6f, 1e-6f, z.c);
+        compare("hc_head" + tag, z, 1e-5);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Attention side
+// ---------------------------------------------------------------------------------------------------------------------
+TEST(Ops, StoreRows) {
+    Store s;
+    const Both ring = s.values(randn(130 * 512), 512, 130);
+    const Both rows = s.values(randn(5 * 512), 512, 5);
+    const Both pos = s.ids({400, 401, 402, 403, 404}, 5);
+    gpu().store_rows(ring.g, rows.g, pos.g);
+    cpu().store_rows(ring.c, rows.c, pos.c);
+    compare("store_rows ring 130 x 512", ring, 0.0);
+}
+
+struct CompCase {
+    const char * name;
+    int64_t width, ratio;
+    bool overlap;
+    RowRounding rounding;
+};
+
+// A stream of chunks through one compressor: state and stored rows compared after every chunk.
+TEST(Ops, CompressorUpdate) {
+    for (const CompCase & cc :
+         {CompCase{"csa kv (R 4, overlap)", 512, 4, true, RowRounding::none},
+          CompCase{"csa kv fp8", 512, 4, true, RowRounding::fp8},
+          CompCase{"indexer keys (R 4, overlap, hadamard fp4)", 128, 4, true, RowRounding::hadamard_fp4},
+          CompCase{"hca kv (R 128) fp8", 512, 128, false, RowRounding::fp8},
+          CompCase{"small (R 8, overlap)", 32, 8, true, RowRounding::none}}) {
+        Store s;
+        const int64_t c = cc.overlap ? 2 : 1, wide = c * cc.width, R = cc.ratio, cap = 700 / R + 2;
+        const Both skv = s.values(std::vector<float>(size_t(c * R * wide), 0.0f), wide, c * R);
+        const Both ssc =
+            s.values(std::vector<float>(size_t(c * R * wide), -std::numeric_limits<float>::infinity()), wide, c * R);
+        const Both store = s.values(std::vector<float>(size_t(cap * cc.width), 0.0f), cc.width, cap);
+        const Both ape = s.weight(GgmlType::F16, wide, R);
+        std::vector<float> nv = randn(size_t(cc.width), 0.1f);
+        for (float & v : nv) v += 1.0f;
+        const Both norm = s.values(nv, cc.width);
+        const Both f =
+            s.values(inv_freq(std::min<int>(64, int(cc.width)), 160000.0f), std::min<int64_t>(32, cc.width / 2));
+        CompressedRowFinish fc, fg;
+        fc.norm = norm.c;
+        fg.norm = norm.g;
+        fc.rope.inv_freq = f.c;
+        fg.rope.inv_freq = f.g;
+        fc.rope.n_rot = fg.rope.n_rot = int(std::min<int64_t>(64, cc.width));
+        fc.rounding = fg.rounding = cc.rounding;
+        fc.fp8_dims = fg.fp8_dims = cc.width - fc.rope.n_rot;
+        int64_t pos = 0;
+        int step = 0;
+        for (int64_t n : {1, 1, 2, 5, 1, 8, 3, 16, 1, 1, 1, 40, 7, 130, 1, 2, 300, 1}) {
+            std::vector<int32_t> p(static_cast<size_t>(n));
+            std::iota(p.begin(), p.end(), int32_t(pos));
+            const Both positions = s.ids(p, n);
+            const Both kv = s.values(randn(size_t(n * wide)), wide, n);
+            const Both score = s.values(randn(size_t(n * wide), 2.0f), wide, n);
+            gpu().compressor_update(kv.g, score.g, ape.g, skv.g, ssc.g, positions.g, R, cc.overlap, fg, store.g);
+            cpu().compressor_update(kv.c, score.c, ape.c, skv.c, ssc.c, positions.c, R, cc.overlap, fc, store.c);
+            pos += n;
+            const std::string tag = std::string(" ") + cc.name + " after chunk " + std::to_string(step++) + " (pos " +
+                                    std::to_string(pos) + ")";
+            compare("compressor state kv" + tag, skv, 0.0);
+            compare("compressor state score" + tag, ssc, 0.0);
+            if (cc.rounding == RowRounding::none)
+                compare("compressor stored rows" + tag, store, 1e-5);
+            else
+                compare_rounded("compressor stored rows" + tag, store, 0.01);
+        }
+    }
+}
+
+// Host scores in double for checking a selection.
+std::vector<double> index_scores(const std::vector<float> & q, const std::vector<float> & w,
+                                 const std::vector<float> & keys, int64_t t, int64_t H, int64_t d, int64_t visible,
+                                 float key_scale) {
+    std::vector<double> s(static_cast<size_t>(visible));
+    for (int64_t r = 0; r < visible; ++r) {
+        double acc = 0;
+        for (int64_t h = 0; h < H; ++h) {
+            double dot = 0;
+            for (int64_t i = 0; i < d; ++i) dot += double(q[size_t((t * H + h) * d + i)]) * keys[size_t(r * d + i)];
+            acc += double(w[size_t(t * H + h)]) * std::max(0.0, dot);
+        }
+        s[size_t(r)] = acc * key_scale;
+    }
+    return s;
+}
+
+TEST(Ops, IndexerSelect) {
+    for (bool ties : {false, true}) {
+        Store s;
+        const int64_t H = 64, d = 128, cap = 700, R = 4, K = 512;
+        const std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
+        const int64_t n = int64_t(pos.size());
+        const std::vector<float> q = randn(size_t(n * H * d)), w = randn(size_t(n * H));
+        std::vector<float> keys = randn(size_t(cap * d));
+        if (ties)
+            for (int64_t r = 1; r < cap; ++r) std::copy_n(keys.begin(), d, keys.begin() + r * d);
+        const Both bq = s.values(q, d, H, 1, n), bw = s.values(w, H, n), bk = s.values(keys, d, cap);
+        const Both bp = s.ids(pos, n);
+        const Both sel = s.out(GgmlType::I32, K, n);
+        const float key_scale = 1.0f / std::sqrt(float(d) * float(H));
+        gpu().indexer_select(bq.g, bw.g, bk.g, bp.g, R, key_scale, sel.g);
+        cpu().indexer_select(bq.c, bw.c, bk.c, bp.c, R, key_scale, sel.c);
+        const std::vector<int32_t> got = read_gpu_ids(sel.g);
+        int64_t differ = 0;
+        for (int64_t t = 0; t < n; ++t) {
+            const int64_t visible = std::min<int64_t>((pos[size_t(t)] + 1) / R, cap);
+            const int32_t * g = got.data() + t * K;
+            const int32_t * c = sel.c.i32() + t * K;
+            // Ascending, -1 padded, the right count.
+            const int64_t count = std::min(visible, K);
+            for (int64_t j = 0; j < K; ++j) {
+                if (j < count) {
+                    ASSERT_GE(g[j], 0) << "token " << t << " slot " << j;
+                    ASSERT_LT(g[j], visible);
+                    if (j > 0) {
+                        ASSERT_LT(g[j - 1], g[j]);
+                    }
+                } else {
+                    ASSERT_EQ(g[j], -1) << "token " << t << " slot " << j;
+                }
+            }
+            if (visible <= K) {
+                for (int64_t j = 0; j < K; ++j) EXPECT_EQ(g[j], c[j]);
+                continue;
+            }
+            // A valid top-k: every kept row scores at least every dropped row (up to float noise).
+            const std::vector<double> sc = index_scores(q, w, keys, t, H, d, visible, key_scale);
+            std::set<int32_t> kept(g, g + K), ref(c, c + K);
+            double min_kept = 1e300, max_dropped = -1e300, scale = 0;
+            for (int64_t r = 0; r < visible; ++r) {
+                scale = std::max(scale, std::fabs(sc[size_t(r)]));
+                if (kept.count(int32_t(r)))
+                    min_kept = std::min(min_kept, sc[size_t(r)]);
+                else
+                    max_dropped = std::max(max_dropped, sc[size_t(r)]);
+            }
+            EXPECT_GE(min_kept, max_dropped - 1e-5 * scale) << "token " << t;
+            std::vector<int32_t> diff;
+            std::set_symmetric_difference(kept.begin(), kept.end(), ref.begin(), ref.end(), std::back_inserter(diff));
+            differ += int64_t(diff.size()) / 2;
+            if (ties) {
+                EXPECT_TRUE(diff.empty()) << "ties must go to the lower rows";
+            }
+        }
+        std::printf("  indexer_select %s: %ld of %ld selections differ from the CPU's (near ties)\n",
+                    ties ? "all-equal keys" : "random", differ, n * K);
+        EXPECT_LE(differ, 4);
+    }
+}
+
+TEST(Ops, Attention) {
+    struct Case {
+        const char * name;
+        int64_t n, heads, dim, window, cap, ratio, top_k, p0;
+    };
+    for (const Case & c : {Case{"flash csa decode", 1, 64, 512, 128, 800, 4, 512, 3100},
+                           Case{"flash csa n=5", 5, 64, 512, 128, 800, 4, 512, 2000},
+                           Case{"flash hca decode", 1, 64, 512, 128, 300, 128, 0, 30000},
+                           Case{"flash hca n=48", 48, 64, 512, 128, 300, 128, 0, 30000},
+                           Case{"flash sliding decode", 1, 64, 512, 128, 0, 0, 0, 77},
+                           Case{"flash sliding n=40 from 0", 40, 64, 512, 128, 0, 0, 0, 0},
+                           Case{"tiny csa", 7, 2, 16, 128, 40, 4, 4, 3}, Case{"tiny hca", 9, 4, 32, 8, 40, 8, 0, 60}}) {
+        Store s;
+        const int64_t ring = c.window + c.n - 1 + 3;
+        const Both q = s.values(randn(size_t(c.n * c.heads * c.dim)), c.dim, c.heads, 1, c.n);
+        const Both raw = s.values(randn(size_t(ring * c.dim)), c.dim, ring);
+        std::vector<int32_t> pos(static_cast<size_t>(c.n));
+        std::iota(pos.begin(), pos.end(), int32_t(c.p0));
+        const Both bp = s.ids(pos, c.n);
+        const Both sinks = s.values(randn(size_t(c.heads)), c.heads);
+        CompressedRows cc, cg;
+        Both rows, sel;
+        if (c.cap > 0) {
+            rows = s.values(randn(size_t(c.cap * c.dim)), c.dim, c.cap);
+            cc.rows = rows.c;
+            cg.rows = rows.g;
+            cc.ratio = cg.ratio = c.ratio;
+            if (c.top_k > 0) {
+                std::vector<int32_t> ids(size_t(c.n * c.top_k), -1);
+                for (int64_t t = 0; t < c.n; ++t) {
+                    const int64_t visible = std::min<int64_t>((pos[size_t(t)] + 1) / c.ratio, c.cap);
+                    std::vector<int32_t> all(static_cast<size_t>(visible));
+                    std::iota(all.begin(), all.end(), 0);
+                    std::shuffle(all.begin(), all.end(), rng());
+                    all.resize(size_t(std::min(visible, c.top_k - 1)));
+                    std::sort(all.begin(), all.end());
+                    std::copy(all.begin(), all.end(), ids.begin() + t * c.top_k);
+                }
+                sel = s.ids(ids, c.top_k, c.n);
+                cc.selected = sel.c;
+                cg.selected = sel.g;
+            }
+        }
+        const Both out = s.out(GgmlType::F32, c.dim, c.heads, 1, c.n);
+        const float scale = 1.0f / std::sqrt(float(c.dim));
+        gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, out.g);
+        cpu().attention(q.c, raw.c, bp.c, c.window, cc, sinks.c, scale, out.c);
+        compare(std::string("attention ") + c.name, out, 2e-5);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Mixture of experts
+// ---------------------------------------------------------------------------------------------------------------------
+TEST(Ops, Router) {
+    Store s;
+    const int64_t n = 9, E = 256, k = 6, V = 1000;
+    const Both logits = s.values(randn(size_t(n * E), 2.0f), E, n);
+    const Both bias = s.values(randn(size_t(E), 0.1f), E);
+    std::vector<int32_t> table(size_t(k * V)), tokens(static_cast<size_t>(n));
+    for (auto & v : table) v = int32_t(rng()() % uint64_t(E));
+    for (auto & v : tokens) v = int32_t(rng()() % uint64_t(V));
+    const Both tid2eid = s.ids(table, k, V), tok = s.ids(tokens, n);
+    for (bool hash : {false, true}) {
+        const Both ex = s.out(GgmlType::I32, k, n), w = s.out(GgmlType::F32, k, n);
+        gpu().router(logits.g, hash ? Tensor{} : bias.g, hash ? tid2eid.g : Tensor{}, tok.g, 1.5f, ex.g, w.g);
+        cpu().router(logits.c, hash ? Tensor{} : bias.c, hash ? tid2eid.c : Tensor{}, tok.c, 1.5f, ex.c, w.c);
+        const std::vector<int32_t> ge = read_gpu_ids(ex.g);
+        for (size_t i = 0; i < ge.size(); ++i) ASSERT_EQ(ge[i], ex.c.i32()[i]) << (hash ? "hash " : "top-k ") << i;
+        compare(std::string("router weights ") + (hash ? "hash" : "top-6 of 256"), w, 1e-6);
+    }
+}
+
+struct MoeCase {
+    GgmlType gate, down;
+    int64_t dim, inner, n_expert, k, n;
+};
+
+class Moe : public ::testing::TestWithParam<MoeCase> {};
+
+TEST_P(Moe, MatchesCpu) {
+    const MoeCase m = GetParam();
+    Store s;
+    const Both gate = s.weight(m.gate, m.dim, m.inner, m.n_expert), up = s.weight(m.gate, m.dim, m.inner, m.n_expert);
+    const Both down = s.weight(m.down, m.inner, m.dim, m.n_expert);
+    const Both x = s.values(randn(size_t(m.dim * m.n)), m.dim, m.n);
+    std::vector<int32_t> ids(size_t(m.n * m.k));
+    std::vector<float> w(size_t(m.n * m.k));
+    for (int64_t t = 0; t < m.n; ++t) {
+        std::vector<int32_t> all(static_cast<size_t>(m.n_expert));
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng());
+        for (int64_t j = 0; j < m.k; ++j) {
+            ids[size_t(t * m.k + j)] = all[size_t(j)];
+            w[size_t(t * m.k + j)] = 0.1f + float(rng()() % 100) / 100.0f;
+        }
+    }
+    const Both ex = s.ids(ids, m.k, m.n), wt = s.values(w, m.k, m.n);
+    const Both out = s.out(GgmlType::F32, m.dim, m.n);
+    gpu().moe(x.g, ex.g, wt.g, gate.g, up.g, down.g, 10.0f, out.g);
+    cpu().moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, out.c);
+    const std::string what = std::string("moe ") + std::string(type_name(m.gate)) + "/" +
+                             std::string(type_name(m.down)) + " D=" + std::to_string(m.dim) +
+                             " I=" + std::to_string(m.inner) + " E=" + std::to_string(m.n_expert) +
+                             " k=" + std::to_string(m.k) + " n=" + std::to_string(m.n);
+    // The hidden rows are computed, then quantized to 8 bits for the down projection: a hidden value one ulp
+    // away from the CPU's can land on the neighbouring code (odds ~1e-5 per value), which moves that token's
+    // outputs by ~1e-3 of their RMS. The matmul cases check the products themselves to float noise.
+    const double rel = compare(what + " vs cpu", out, 1e-2);
+    Both of = s.out(GgmlType::F32, m.dim, m.n);
+    cpu(false).moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, of.c);
+    const double rel_f32 =
+        compare(what + " vs cpu f32 act", of.c.f32(), read_gpu(out.g), is_float_type(m.gate) ? 1e-4 : 0.2);
+    if (!is_float_type(m.gate))
+        EXPECT_LT(rel, 0.25 * rel_f32) << "GPU further from the 8-bit CPU path than its own quantization noise";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
+                         ::testing::Values(MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 1},
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 5},
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 40},
+                                           MoeCase{GgmlType::Q4_K, GgmlType::Q4_K, 4096, 2048, 8, 6, 3},
+                                           MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 11},
+                                           MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 4},
+                                           MoeCase{GgmlType::F16, GgmlType::F16, 256, 96, 8, 2, 9},
+                                           MoeCase{GgmlType::F32, GgmlType::F32, 32, 16, 4, 1, 6}));
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    if (cuda_device_count() == 0) {
+        std::printf("no CUDA device: skipped\n");
+        return 77;
+    }
+    std::printf("%s\n", cuda_device_summary().c_str());
+    ::testing::InitGoogleTest(&argc, argv);
+    return RUN_ALL_TESTS();
+}

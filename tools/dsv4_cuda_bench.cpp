@@ -1,0 +1,277 @@
+// dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
+//   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048]   prefill to each depth, then decode
+//   dsv4-cuda-bench MODEL --plan --ctx N                                       memory budget for a context
+//   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
+// Decode timings include the per-token host work of Model::eval (writing the token, reading the logits).
+#include "backend/cuda.h"
+#include "format/gguf.h"
+#include "model/forward.h"
+#include "util/error.h"
+#include "util/log.h"
+#include "util/timer.h"
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <sstream>
+
+using namespace dsv4;
+
+namespace {
+
+constexpr double kRooflineBytesPerSecond = 4.3e12;  // H200, measured device-to-device copy (docs/cuda.md)
+
+// Bytes of weights one decoded token reads: every tensor except the routed experts (k of E) and the embedding
+// table (one row).
+double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
+    double b = 0;
+    for (const GgufTensorInfo & t : file.tensors()) {
+        if (t.name.find("_exps") != std::string::npos)
+            b += double(t.n_bytes) * double(c.n_expert_used) / double(c.n_expert);
+        else if (t.name == "token_embd.weight")
+            b += double(t.n_bytes) / double(c.n_vocab);
+        else if (t.name.find("tid2eid") == std::string::npos)
+            b += double(t.n_bytes);
+    }
+    return b;
+}
+
+// Scratch activations of Model's workspace per token of a chunk (forward.cpp's Workspace), in floats.
+double workspace_floats_per_token(const ModelConfig & c) {
+    const double D = double(c.n_embd), hc = double(c.hc), d = double(c.head_dim);
+    double f = 2 * hc * D + 3 * D + hc + hc * hc + double(c.q_lora_rank) + 2 * double(c.n_head) * d + d +
+               double(c.o_groups * c.o_lora_rank) + 4 * d + double(c.n_expert) + 2 * double(c.n_expert_used) +
+               2 * double(c.expert_ff) + D + double(c.n_vocab) + 2;
+    if (c.indexer_dim > 0)
+        f += double(c.indexer_heads * c.indexer_dim + c.indexer_heads + 4 * c.indexer_dim + c.indexer_top_k);
+    return f;
+}
+
+struct Plan {
+    uint64_t weights = 0, kv = 0, workspace = 0, scratch = 0;
+    uint64_t total() const { return weights + kv + workspace + scratch; }
+};
+
+Plan plan(const GgufFile & file, const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch) {
+    Plan p;
+    for (const GgufTensorInfo & t : file.tensors()) p.weights += t.n_bytes;
+    p.kv = plan_kv(c, n_ctx, n_ubatch).total();
+    p.workspace = uint64_t(workspace_floats_per_token(c) * double(n_ubatch) * 4);
+    CudaScratchShape s;
+    s.n_ubatch = n_ubatch;
+    s.n_ctx = n_ctx;
+    s.n_embd = c.n_embd;
+    s.expert_ff = c.expert_ff;
+    s.n_expert_used = c.n_expert_used;
+    s.n_head = c.n_head;
+    s.head_dim = c.head_dim;
+    for (const LayerConfig & l : c.layers)
+        if (l.compress_ratio > 0)
+            s.min_ratio = s.min_ratio ? std::min(s.min_ratio, l.compress_ratio) : l.compress_ratio;
+    p.scratch = cuda_scratch_bytes(s);
+    return p;
+}
+
+int print_plan(const std::string & path, int64_t n_ctx, int64_t n_ubatch, int gpu) {
+    const GgufFile file = GgufFile::open(path);
+    const ModelConfig c = load_config(file);
+    const Plan p = plan(file, c, n_ctx, n_ubatch);
+    const CudaMemoryInfo m = cuda_memory_info(gpu);
+    const double G = 1e9;
+    std::printf("model      %s (%ld layers)\n", path.c_str(), c.n_layer);
+    std::printf("weights    %8.3f GB\n", double(p.weights) / G);
+    std::printf("kv state   %8.3f GB  (context %ld, ubatch %ld)\n", double(p.kv) / G, n_ctx, n_ubatch);
+    std::printf("workspace  %8.3f GB\n", double(p.workspace) / G);
+    std::printf("scratch    %8.3f GB\n", double(p.scratch) / G);
+    std::printf("total      %8.3f GB of %.3f GB free on gpu %d\n", double(p.total()) / G, double(m.free_bytes) / G,
+                gpu);
+    // The largest context that fits, in steps of 1024, leaving 1 GiB for the runtime.
+    const uint64_t budget = m.free_bytes > (1ull << 30) ? m.free_bytes - (1ull << 30) : 0;
+    int64_t lo = 0, hi = std::max<int64_t>(c.n_ctx_train, n_ctx) / 1024;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (plan(file, c, mid * 1024, n_ubatch).total() <= budget)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    std::printf("fits       %s; the largest context that fits: %ld\n", p.total() <= budget ? "yes" : "NO", lo * 1024);
+    return p.total() <= budget ? 0 : 1;
+}
+
+int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
+              int gpu) {
+    Timer load;
+    const GgufFile file = GgufFile::open(path);
+    auto backend = make_cuda_backend({gpu, true});
+    Model model(file, *backend, n_ubatch, Numerics::reference);
+    backend->synchronize();
+    const ModelConfig & c = model.config();
+    double file_bytes = 0;
+    for (const GgufTensorInfo & t : file.tensors()) file_bytes += double(t.n_bytes);
+    std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s)\n", path.c_str(), backend->name().c_str(),
+                c.n_layer, file_bytes / 1e9, load.seconds(), file_bytes / 1e9 / load.seconds());
+    const double wb = weight_bytes_per_token(file, c);
+    std::printf("weights read per decoded token: %.3f GB (roofline %.1f us at %.1f TB/s)\n", wb / 1e9,
+                wb / kRooflineBytesPerSecond * 1e6, kRooflineBytesPerSecond / 1e12);
+    std::mt19937 rng(7);
+    std::vector<float> logits(size_t(c.n_vocab));
+    for (int64_t depth : depths) {
+        auto state = model.new_state(depth + n_decode + 4);
+        std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(depth, 1)));
+        for (auto & t : prompt) t = int32_t(rng() % uint32_t(c.n_vocab));
+        Timer pf;
+        model.eval(*state, prompt, LogitsMode::last, logits.data());
+        const double pf_s = pf.seconds();
+        // Two warm-up steps (the first runs eagerly, the second captures the graph), then timed steps.
+        int32_t tok = int32_t(rng() % uint32_t(c.n_vocab));
+        for (int i = 0; i < 2; ++i)
+            model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, logits.data());
+        Timer dec;
+        for (int64_t i = 0; i < n_decode; ++i) {
+            tok = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+            model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, logits.data());
+        }
+        const double per_token = dec.seconds() / double(n_decode);
+        std::printf(
+            "depth %6ld: prefill %7.1f tok/s (%.2f s, ubatch %ld) | decode %.3f ms/token = %.1f tok/s, "
+            "%.1f %% of the weight roofline\n",
+            depth, double(prompt.size()) / pf_s, pf_s, n_ubatch, per_token * 1e3, 1.0 / per_token,
+            100.0 * wb / kRooflineBytesPerSecond / per_token);
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Single ops at the real shapes, on random codes (timing only)
+// ---------------------------------------------------------------------------------------------------------------------
+struct Bench {
+    Backend & b;
+    std::vector<std::unique_ptr<BackendBuffer>> keep;
+    std::mt19937_64 rng;
+
+    Tensor weight(GgmlType type, int64_t ne0, int64_t ne1, int64_t ne2 = 1) {
+        Tensor t = make_tensor(type, nullptr, ne0, ne1, ne2);
+        std::vector<uint64_t> host((t.n_bytes() + 7) / 8);
+        for (auto & v : host) v = rng() & 0x3bff3bff3bff3bffull;  // keeps f16 scale fields finite
+        t.data = host.data();
+        std::unique_ptr<BackendBuffer> storage;
+        Tensor g = b.upload_weight(t, &storage);
+        keep.push_back(std::move(storage));
+        b.synchronize();
+        return g;
+    }
+    Tensor act(int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1, int64_t ne3 = 1, GgmlType type = GgmlType::F32) {
+        Tensor t = make_tensor(type, nullptr, ne0, ne1, ne2, ne3);
+        keep.push_back(b.alloc(size_t(t.n_elements()) * 4));
+        t.data = keep.back()->data();
+        if (type == GgmlType::F32) {
+            std::normal_distribution<float> d;
+            std::vector<float> v(size_t(t.n_elements()));
+            for (auto & x : v) x = d(rng);
+            b.write(t, v.data(), v.size() * 4);
+        }
+        return t;
+    }
+    // Median of 7 runs of `reps` calls, in microseconds per call.
+    double time(const std::function<void()> & fn, int reps = 50) {
+        fn();
+        b.synchronize();
+        std::vector<double> runs;
+        for (int r = 0; r < 7; ++r) {
+            Timer t;
+            for (int i = 0; i < reps; ++i) fn();
+            b.synchronize();
+            runs.push_back(t.seconds() / reps * 1e6);
+        }
+        std::sort(runs.begin(), runs.end());
+        return runs[3];
+    }
+};
+
+int run_kernels(int gpu) {
+    auto backend = make_cuda_backend({gpu, true});
+    Bench B{*backend, {}, std::mt19937_64{3}};
+    std::printf("%s\n", backend->name().c_str());
+    struct Mat {
+        const char * name;
+        GgmlType type;
+        int64_t in, out;
+    };
+    for (const Mat & m :
+         {Mat{"q_b", GgmlType::Q8_0, 1024, 32768}, Mat{"o_b", GgmlType::Q8_0, 8192, 4096},
+          Mat{"q_a", GgmlType::Q8_0, 4096, 1024}, Mat{"shared gate", GgmlType::Q8_0, 4096, 2048},
+          Mat{"lm head", GgmlType::Q8_0, 4096, 129280}, Mat{"compressor kv", GgmlType::F16, 4096, 1024},
+          Mat{"indexer q_b", GgmlType::F16, 1024, 8192}, Mat{"expert gate", GgmlType::IQ2_XXS, 4096, 2048},
+          Mat{"expert down", GgmlType::Q2_K, 2048, 4096}, Mat{"q4 expert", GgmlType::Q4_K, 4096, 2048}}) {
+        const Tensor w = B.weight(m.type, m.in, m.out);
+        for (int64_t n : {1, 8, 512}) {
+            const Tensor x = B.act(m.in, n), y = B.act(m.out, n);
+            const double us = B.time([&] { B.b.matmul(w, x, y); }, n > 8 ? 5 : 50);
+            std::printf("matmul %-14s %-8s [%5ld -> %6ld] n=%-4ld %9.1f us  %7.1f GB/s of weights  %8.2f TFLOP/s\n",
+                        m.name, std::string(type_name(m.type)).c_str(), m.in, m.out, n, us,
+                        double(w.n_bytes()) / us / 1e3, 2.0 * double(m.in * m.out * n) / us / 1e6);
+        }
+    }
+    {
+        const int64_t E = 32, D = 4096, I = 2048, k = 6;
+        const Tensor gate = B.weight(GgmlType::IQ2_XXS, D, I, E), up = B.weight(GgmlType::IQ2_XXS, D, I, E);
+        const Tensor down = B.weight(GgmlType::Q2_K, I, D, E);
+        for (int64_t n : {1, 64}) {
+            const Tensor x = B.act(D, n), out = B.act(D, n), w = B.act(k, n);
+            Tensor ex = make_tensor(GgmlType::I32, nullptr, k, n);
+            B.keep.push_back(B.b.alloc(size_t(k * n) * 4));
+            ex.data = B.keep.back()->data();
+            std::vector<int32_t> ids(size_t(k * n));
+            for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i % size_t(k)) * 5 + i / size_t(k)) % int32_t(E);
+            B.b.write(ex, ids.data(), ids.size() * 4);
+            const double us = B.time([&] { B.b.moe(x, ex, w, gate, up, down, 10.0f, out); }, n > 8 ? 5 : 50);
+            const double bytes = double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) *
+                                 double(std::min<int64_t>(E, k * n));
+            std::printf("moe iq2_xxs/q2_K 6 of %ld experts n=%-3ld %9.1f us  %7.1f GB/s of selected expert weights\n",
+                        E, n, us, bytes / us / 1e3);
+        }
+    }
+    return 0;
+}
+
+std::vector<int64_t> parse_list(const std::string & s) {
+    std::vector<int64_t> v;
+    std::stringstream ss(s);
+    std::string item;
+    while (std::getline(ss, item, ',')) v.push_back(std::stoll(item));
+    return v;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    std::string model, depths = "1,2048";
+    int64_t n_ctx = 4096, n_decode = 32, n_ubatch = 2048;
+    int gpu = 0;
+    bool plan_only = false, kernels = false, profile = false;
+    CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
+    app.add_option("model", model, "GGUF model (synthetic: dsv4-synth)");
+    app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
+    app.add_option("--decode", n_decode, "decode steps timed at each depth (default 32)");
+    app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
+    app.add_option("--ctx", n_ctx, "context for --plan (default 4096)");
+    app.add_option("--gpu", gpu, "CUDA device (default 0)");
+    app.add_flag("--plan", plan_only, "print the memory budget for --ctx and the largest context that fits");
+    app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
+    app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
+    CLI11_PARSE(app, argc, argv);
+    try {
+        if (profile) setenv("DSV4_CUDA_PROFILE", "1", 1);
+        std::printf("%s\n", cuda_device_summary().c_str());
+        if (kernels) return run_kernels(gpu);
+        DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
+        if (plan_only) return print_plan(model, n_ctx, n_ubatch, gpu);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, gpu);
+    } catch (const Error & e) {
+        log_error("{}", e.what());
+        return 1;
+    }
+}
