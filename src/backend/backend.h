@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 namespace dsv4 {
@@ -79,6 +80,11 @@ struct CompressedRows {
                               // rows visible to the query", i.e. b < floor((pos + 1) / R)
 };
 
+struct MatmulTarget {
+    Tensor w;  // [in, out_i], any weight type
+    Tensor y;  // F32 [n, out_i]
+};
+
 class Backend {
   public:
     virtual ~Backend() = default;
@@ -106,6 +112,9 @@ class Backend {
     virtual void get_rows(const Tensor & table, const Tensor & ids, const Tensor & out) = 0;
     // y [n, out] = x [n, in] · W^T for W [in, out] of any weight type.
     virtual void matmul(const Tensor & w, const Tensor & x, const Tensor & y) = 0;
+    // Several projections of one input: y_i [n, out_i] = x [n, in] · W_i^T for every target. One call lets a
+    // backend quantize x once and launch once (decode runs up to seven projections of one normed input).
+    virtual void matmul_many(const Tensor & x, std::span<const MatmulTarget> targets) = 0;
     // Grouped low-rank projection: x [n, G·in_g], W [in_g, G·out_g]; group g maps x columns [g·in_g, (g+1)·in_g)
     // through W rows [g·out_g, (g+1)·out_g) into y columns [g·out_g, (g+1)·out_g). y [n, G·out_g].
     virtual void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) = 0;

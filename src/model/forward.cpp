@@ -293,60 +293,65 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     const int64_t d = c.head_dim;
     Tensor xn = first(w.xn, n);
 
-    // Query: low rank, normed (kept: the indexer reuses it), expanded to H heads, each head RMS-normed, rotated.
-    Tensor cq = first(w.cq, n);
-    b.matmul(L.q_a, xn, cq);
-    b.rms_norm(cq, L.q_a_norm, cq, c.norm_eps);
-    Tensor q = first(w.q, n);
-    b.matmul(L.q_b, cq, reshape(q, c.q_dim(), n));
-    b.rms_norm(q, Tensor{}, q, c.norm_eps);
     const Tensor pos = first(w.positions, n);
+    const bool compressed = lc.kind != LayerKind::sliding, csa = lc.kind == LayerKind::csa;
+    const int64_t R = lc.compress_ratio;
+    const int64_t width = (csa ? 2 : 1) * d;  // compressor projections: two overlapping halves on CSA layers
+    const int64_t dI = c.indexer_dim, HI = c.indexer_heads;
+
+    // Every projection of the normed input at once: the low-rank query, the K=V row, the compressor's values and
+    // gate scores and, on CSA layers, the indexer compressor's and the indexer head weights.
+    Tensor cq = first(w.cq, n), kv = first(w.kv, n);
+    Tensor ckv = make_tensor(GgmlType::F32, w.comp_kv.data, width, n);
+    Tensor cscore = make_tensor(GgmlType::F32, w.comp_score.data, width, n);
+    Tensor ikv, iscore, iw;
+    std::vector<MatmulTarget> proj = {{L.q_a, cq}, {L.kv, kv}};
+    if (compressed) proj.insert(proj.end(), {{L.comp_kv, ckv}, {L.comp_gate, cscore}});
+    if (csa) {
+        ikv = first(w.idx_kv, n), iscore = first(w.idx_score, n), iw = first(w.idx_w, n);
+        proj.insert(proj.end(), {{L.idx_comp_kv, ikv}, {L.idx_comp_gate, iscore}, {L.idx_proj, iw}});
+    }
+    b.matmul_many(xn, proj);
+
+    // Query: the low-rank vector normed (the indexer reuses it), expanded to H heads, each head RMS-normed and
+    // rotated; the indexer's queries come from the same normed vector, unnormalised, rotated likewise.
+    b.rms_norm(cq, L.q_a_norm, cq, c.norm_eps);
+    Tensor q = first(w.q, n), iq;
+    std::vector<MatmulTarget> qproj = {{L.q_b, reshape(q, c.q_dim(), n)}};
+    if (csa) {
+        iq = first(w.idx_q, n);
+        qproj.push_back({L.idx_q_b, reshape(iq, HI * dI, n)});
+    }
+    b.matmul_many(cq, qproj);
+    b.rms_norm(q, Tensor{}, q, c.norm_eps);
     b.rope(q, rope, pos, false);
 
     // The one K=V row per token, rotated like the queries, written into the raw ring before attending so that
     // a token sees itself and the earlier tokens of its chunk.
-    Tensor kv = first(w.kv, n);
-    b.matmul(L.kv, xn, kv);
     b.rms_norm(kv, L.kv_norm, kv, c.norm_eps);
     b.rope(reshape(kv, d, 1, n), rope, pos, false);
     if (official) b.fp8_roundtrip(kv, d - c.n_rot);
     b.store_rows(S.raw, kv, pos);
 
     CompressedRows comp;
-    if (lc.kind != LayerKind::sliding) {
-        const int64_t R = lc.compress_ratio;
-        const bool overlap = lc.kind == LayerKind::csa;
-        const int64_t width = (overlap ? 2 : 1) * d;
+    if (compressed) {
         const int64_t b0 = pos0 / R;
         const int64_t m = (pos0 + n) / R - b0;  // rows completed by this chunk (traces only)
-        Tensor ckv = make_tensor(GgmlType::F32, w.comp_kv.data, width, n);
-        Tensor cscore = make_tensor(GgmlType::F32, w.comp_score.data, width, n);
-        b.matmul(L.comp_kv, xn, ckv);
-        b.matmul(L.comp_gate, xn, cscore);
         // A compressed row is normed and rotated at its block's first position b·R, then rounded.
         const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope,
                                          official ? RowRounding::fp8 : RowRounding::none, d - c.n_rot};
-        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, overlap, finish, S.comp);
+        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, csa, finish, S.comp);
         if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
         comp.rows = S.comp;
         comp.ratio = R;
 
-        if (lc.kind == LayerKind::csa) {
-            const int64_t dI = c.indexer_dim, HI = c.indexer_heads;
-            Tensor ikv = first(w.idx_kv, n), iscore = first(w.idx_score, n);
-            b.matmul(L.idx_comp_kv, xn, ikv);
-            b.matmul(L.idx_comp_gate, xn, iscore);
+        if (csa) {
             const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
                                               official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
             b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos, R, true, ifinish, S.idx_keys);
             if (m > 0) trace("indexer_kv", il, row_view(S.idx_keys, b0, m));
-            // Indexer queries come from the normed low-rank query, unnormalised, rotated at the token position.
-            Tensor iq = first(w.idx_q, n);
-            b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
             b.rope(iq, rope, pos, false);
             if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
-            Tensor iw = first(w.idx_w, n);
-            b.matmul(L.idx_proj, xn, iw);
             if (c.indexer_top_k == 0) {
                 comp.rows = Tensor{};  // no compressed row is ever selected
             } else {
@@ -376,7 +381,9 @@ void Model::ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int6
     Tensor xn = first(w.xn, n);
 
     Tensor router = first(w.router, n), experts = first(w.experts, n), weights = first(w.weights, n);
-    b.matmul(L.gate_inp, xn, router);
+    Tensor g = first(w.sh_gate, n), u = first(w.sh_up, n);
+    const MatmulTarget proj[] = {{L.gate_inp, router}, {L.gate_shexp, g}, {L.up_shexp, u}};
+    b.matmul_many(xn, proj);
     b.router(router, lc.hash_routed ? Tensor{} : L.exp_probs_b, lc.hash_routed ? L.tid2eid : Tensor{},
              first(w.tokens, n), c.route_scale, experts, weights);
     trace("router_idx", il, experts);
@@ -384,9 +391,6 @@ void Model::ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int6
     Tensor routed = first(w.routed, n);
     b.moe(xn, experts, weights, L.gate_exps, L.up_exps, L.down_exps, lc.swiglu_limit, routed);
 
-    Tensor g = first(w.sh_gate, n), u = first(w.sh_up, n);
-    b.matmul(L.gate_shexp, xn, g);
-    b.matmul(L.up_shexp, xn, u);
     b.swiglu(g, u, g, lc.swiglu_limit_shared);
     Tensor out = first(w.out, n);
     b.matmul(L.down_shexp, g, out);

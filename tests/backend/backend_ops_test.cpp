@@ -679,8 +679,9 @@ TEST_P(Moe, MatchesCpu) {
     cpu(false).moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, of.c);
     const double rel_f32 =
         compare(what + " vs cpu f32 act", of.c.f32(), read_gpu(out.g), is_float_type(m.gate) ? 1e-4 : 0.2);
-    if (!is_float_type(m.gate))
+    if (!is_float_type(m.gate)) {
         EXPECT_LT(rel, 0.25 * rel_f32) << "GPU further from the 8-bit CPU path than its own quantization noise";
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Moe,

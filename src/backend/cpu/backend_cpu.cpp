@@ -117,7 +117,14 @@ class CpuBackend final : public Backend {
     }
 
     void matmul(const Tensor & w, const Tensor & x, const Tensor & y) override {
-        matmul_rows(w, 0, w.ne[1], x.f32(), x.ne[0], x.rows(), y.f32(), y.ne[0], 0);
+        matmul_rows(w, 0, w.ne[1], x.f32(), x.ne[0], x.rows(), y.f32(), y.ne[0]);
+    }
+
+    void matmul_many(const Tensor & x, std::span<const MatmulTarget> targets) override {
+        // x does not change during the call: targets of one activation type quantize it once.
+        for (size_t i = 0; i < targets.size(); ++i)
+            matmul_rows(targets[i].w, 0, targets[i].w.ne[1], x.f32(), x.ne[0], x.rows(), targets[i].y.f32(),
+                        targets[i].y.ne[0], /*reuse_activations=*/i > 0);
     }
 
     void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) override {
@@ -125,7 +132,7 @@ class CpuBackend final : public Backend {
         const int64_t out_g = w.ne[1] / groups;
         // Each group is a matmul over a column slice of x (stride x.ne[0]) into a column slice of y.
         for (int64_t g = 0; g < groups; ++g)
-            matmul_rows(w, g * out_g, out_g, x.f32() + g * in_g, x.ne[0], x.rows(), y.f32() + g * out_g, y.ne[0], 0);
+            matmul_rows(w, g * out_g, out_g, x.f32() + g * in_g, x.ne[0], x.rows(), y.f32() + g * out_g, y.ne[0]);
     }
 
     void rms_norm(const Tensor & x, const Tensor & gamma, const Tensor & y, float eps) override {
@@ -477,11 +484,11 @@ class CpuBackend final : public Backend {
             for (int64_t r = 0; r < m; ++r)
                 std::memcpy(xs.as<float>() + r * dim, x.f32() + int64_t(rows[size_t(r)].first) * dim,
                             size_t(dim) * sizeof(float));
-            matmul_rows(expert_matrix(gate, e), 0, inner, xs.as<float>(), dim, m, hg.as<float>(), inner, 0);
-            matmul_rows(expert_matrix(up, e), 0, inner, xs.as<float>(), dim, m, hu.as<float>(), inner, 0);
+            matmul_rows(expert_matrix(gate, e), 0, inner, xs.as<float>(), dim, m, hg.as<float>(), inner);
+            matmul_rows(expert_matrix(up, e), 0, inner, xs.as<float>(), dim, m, hu.as<float>(), inner);
             for (int64_t i = 0; i < m * inner; ++i)
                 hg.as<float>()[i] = swiglu_one(hg.as<float>()[i], hu.as<float>()[i], limit);
-            matmul_rows(expert_matrix(down, e), 0, dim, hg.as<float>(), inner, m, yd.as<float>(), dim, 0);
+            matmul_rows(expert_matrix(down, e), 0, dim, hg.as<float>(), inner, m, yd.as<float>(), dim);
             for (int64_t r = 0; r < m; ++r)
                 axpy_f32(out.f32() + int64_t(rows[size_t(r)].first) * dim, rows[size_t(r)].second,
                          yd.as<float>() + r * dim, dim);
@@ -597,20 +604,24 @@ class CpuBackend final : public Backend {
     // y[t, r0 + r] for r < n_rows = W row (row0 + r) · x[t], t < n. x rows have stride x_stride floats, y rows
     // y_stride floats. Weight rows are split across threads; each thread streams its rows past every token, so a
     // weight row is read from memory once per call whatever n is.
+    // reuse_activations: the previous call had the same x, unchanged since (matmul_many); the quantized copy
+    // is reused when the activation type matches too.
     void matmul_rows(const Tensor & w, int64_t row0, int64_t n_rows, const float * x, int64_t x_stride, int64_t n,
-                     float * y, int64_t y_stride, int64_t) {
+                     float * y, int64_t y_stride, bool reuse_activations = false) {
         const int64_t in = w.ne[0];
         const size_t rb = w.row_bytes();
         const uint8_t * wbase = static_cast<const uint8_t *>(w.data) + size_t(row0) * rb;
         const bool quantized = options_.quantize_activations && !is_float_type(w.type);
         const size_t act_bytes = quantized ? dot_row_bytes(w.type, in) : 0;
-        if (quantized) {
+        const ActKey key{x, x_stride, n, in, quantized ? dot_type(w.type) : GgmlType::F32};
+        if (quantized && !(reuse_activations && key == act_key_)) {
             act_.reserve(act_bytes * size_t(n));
             uint8_t * qa = act_.as<uint8_t>();
             pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int) {
                 for (size_t t = b; t < e; ++t)
                     quantize_activations(w.type, x + int64_t(t) * x_stride, qa + t * act_bytes, in);
             });
+            act_key_ = key;
         }
         const uint8_t * qa = act_.as<uint8_t>();
         // ~32 KB of weights per task keeps tasks coarse enough for the pool and fine enough to balance.
@@ -630,7 +641,15 @@ class CpuBackend final : public Backend {
     CpuBackendOptions options_;
     ThreadPool pool_;
     std::vector<AlignedBuffer> scratch_;  // per thread
-    AlignedBuffer act_;                   // quantized activations of the current matmul
+    // The quantized activations of the last matmul input and what they were made from.
+    struct ActKey {
+        const float * x = nullptr;
+        int64_t stride = 0, n = 0, in = 0;
+        GgmlType type = GgmlType::F32;
+        bool operator==(const ActKey &) const = default;
+    };
+    AlignedBuffer act_;
+    ActKey act_key_;
 };
 
 }  // namespace

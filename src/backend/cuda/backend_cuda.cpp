@@ -235,6 +235,11 @@ class CudaBackend final : public Backend {
         run_matvec(a);
     }
 
+    // One launch per projection for now; a fused launch over all targets is the next step for decode.
+    void matmul_many(const Tensor & x, std::span<const MatmulTarget> targets) override {
+        for (const MatmulTarget & t : targets) matmul(t.w, x, t.y);
+    }
+
     void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) override {
         const OpScope scope(*this, "matmul_grouped " + matmul_name(w, x));
         cuda::MatvecArgs a;
