@@ -216,6 +216,27 @@ int run_kernels(int gpu) {
         }
     }
     {
+        // The attention's seven projections of one normed input (CSA layer), one call against one call each.
+        const std::vector<Mat> proj = {
+            {"q_a", GgmlType::Q8_0, 4096, 1024},       {"kv", GgmlType::Q8_0, 4096, 512},
+            {"comp kv", GgmlType::F16, 4096, 1024},    {"comp gate", GgmlType::F16, 4096, 1024},
+            {"idx comp kv", GgmlType::F16, 4096, 256}, {"idx comp gate", GgmlType::F16, 4096, 256},
+            {"idx proj", GgmlType::F16, 4096, 64}};
+        std::vector<MatmulTarget> targets;
+        double bytes = 0;
+        const Tensor x = B.act(4096, 1);
+        for (const Mat & m : proj) {
+            targets.push_back({B.weight(m.type, m.in, m.out), B.act(m.out, 1)});
+            bytes += double(targets.back().w.n_bytes());
+        }
+        const double many = B.time([&] { B.b.matmul_many(x, targets); });
+        const double each = B.time([&] {
+            for (const MatmulTarget & t : targets) B.b.matmul(t.w, x, t.y);
+        });
+        std::printf("matmul_many attention projections n=1   %9.1f us  %7.1f GB/s (one call each: %.1f us)\n", many,
+                    bytes / many / 1e3, each);
+    }
+    {
         const int64_t E = 32, D = 4096, I = 2048, k = 6;
         const Tensor gate = B.weight(GgmlType::IQ2_XXS, D, I, E), up = B.weight(GgmlType::IQ2_XXS, D, I, E);
         const Tensor down = B.weight(GgmlType::Q2_K, I, D, E);

@@ -126,6 +126,16 @@ class Backend {
     virtual void add(const Tensor & a, const Tensor & b, const Tensor & out) = 0;  // element-wise; out may alias
     // out = silu(min(gate, limit)) · clamp(up, -limit, limit), element-wise [n, width]. limit <= 0: no clamp.
     virtual void swiglu(const Tensor & gate, const Tensor & up, const Tensor & out, float limit) = 0;
+    // y [n, out] = add [n, out] + W·swiglu(gate, up, limit) per row, W [in, out]; gate, up [n, in]; y may alias add.
+    // The shared expert's activation, down projection and sum with the routed experts in one op.
+    virtual void swiglu_matmul_add(const Tensor & w, const Tensor & gate, const Tensor & up, float limit,
+                                   const Tensor & add, const Tensor & y) = 0;
+    // In place on x [n, heads, width], per head row: RMSNorm (· gamma [width] when given), RoPE of the last
+    // rope.n_rot channels by positions[t], then, when fp8_dims > 0, the FP8 round trip of channels [0, fp8_dims)
+    // (fp8_roundtrip); when ring [ring_rows, heads·width] is given, token t's rows are also written at slot
+    // positions[t] mod ring_rows (store_rows). The query heads, and the K=V row on its way into the raw window.
+    virtual void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope,
+                           const Tensor & positions, int64_t fp8_dims, const Tensor & ring) = 0;
 
     // ---- numerics of DeepSeek's official inference code (the "official" mode) --------------------------------
     // In place, per row of x [n, width]: FP8 E4M3 round trip of channels [0, n_dims) in blocks of 64 with a
@@ -139,11 +149,12 @@ class Backend {
     // streams [n, hc, D]: every stream of token t starts as x[t] (x [n, D]).
     virtual void hc_expand(const Tensor & x, const Tensor & streams) = 0;
     // streams [n, hc, D]; fn [hc·D, (2+hc)·hc] (any weight type); scale F32 [3]; base F32 [(2+hc)·hc].
-    // Outputs: y [n, D] = Σ_h pre_h·stream_h; post [n, hc]; comb [n, hc, hc] (source, destination), Sinkhorn-
+    // Outputs: y [n, D] = Σ_h pre_h·stream_h, then, when norm F32 [D] is given, RMS-normed (eps_norm) and scaled
+    // by it (the sublayer's input norm); post [n, hc]; comb [n, hc, hc] (source, destination), Sinkhorn-
     // normalised with `iters` iterations.
     virtual void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
-                        int iters, float eps_hc, float eps_norm, const Tensor & y, const Tensor & post,
-                        const Tensor & comb) = 0;
+                        int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y,
+                        const Tensor & post, const Tensor & comb) = 0;
     // out[t, j] = post[t, j]·o[t] + Σ_i comb[t, i, j]·streams[t, i]. out [n, hc, D] must not alias streams.
     virtual void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
                          const Tensor & out) = 0;

@@ -24,8 +24,8 @@ struct Model::Workspace {
     Tensor positions;  // I32 [n]: absolute position of each token of the chunk
     Tensor streams;    // F32 [n, hc, D]: the hyper-connection state
     Tensor streams2;   // F32 [n, hc, D]: HCPost output, swapped with streams
-    Tensor x;          // F32 [n, D]: sublayer input (HCPre output)
-    Tensor xn;         // F32 [n, D]: normed sublayer input
+    Tensor x;          // F32 [n, D]: embeddings; the head's collapsed streams
+    Tensor xn;         // F32 [n, D]: normed sublayer input (HCPre output)
     Tensor out;        // F32 [n, D]: sublayer output
     Tensor post;       // F32 [n, hc]
     Tensor comb;       // F32 [n, hc, hc]
@@ -259,22 +259,20 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
     const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
-    Tensor x = first(w.x, n), xn = first(w.xn, n), out = first(w.out, n);
+    Tensor xn = first(w.xn, n), out = first(w.out, n);
     Tensor post = first(w.post, n), comb = first(w.comb, n);
-    // Attention sublayer: HCPre mixes the streams into one input; HCPost writes the output back into all streams
-    // (there is no other residual path).
-    b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
-             comb);
-    b.rms_norm(x, L.attn_norm, xn, c.norm_eps);
+    // Attention sublayer: HCPre mixes the streams into one input (normed in the same op); HCPost writes the
+    // output back into all streams (there is no other residual path).
+    b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps,
+             L.attn_norm, xn, post, comb);
     trace("attn_in", il, xn);
     attention(L, lc, S, il, pos0, n);
     trace("attn_out", il, out);
     b.hc_post(streams, out, post, comb, streams2);
     std::swap(streams, streams2);
 
-    b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, x, post,
-             comb);
-    b.rms_norm(x, L.ffn_norm, xn, c.norm_eps);
+    b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, L.ffn_norm,
+             xn, post, comb);
     trace("mlp_in", il, xn);
     ffn(L, lc, il, n);
     trace("mlp_out", il, out);
@@ -323,15 +321,11 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
         qproj.push_back({L.idx_q_b, reshape(iq, HI * dI, n)});
     }
     b.matmul_many(cq, qproj);
-    b.rms_norm(q, Tensor{}, q, c.norm_eps);
-    b.rope(q, rope, pos, false);
+    b.norm_rope(q, Tensor{}, c.norm_eps, rope, pos, 0, Tensor{});
 
-    // The one K=V row per token, rotated like the queries, written into the raw ring before attending so that
-    // a token sees itself and the earlier tokens of its chunk.
-    b.rms_norm(kv, L.kv_norm, kv, c.norm_eps);
-    b.rope(reshape(kv, d, 1, n), rope, pos, false);
-    if (official) b.fp8_roundtrip(kv, d - c.n_rot);
-    b.store_rows(S.raw, kv, pos);
+    // The one K=V row per token: normed, rotated like the queries, FP8-rounded in the official numerics, and
+    // written into the raw ring before attending so that a token sees itself and the earlier tokens of its chunk.
+    b.norm_rope(reshape(kv, d, 1, n), L.kv_norm, c.norm_eps, rope, pos, official ? d - c.n_rot : 0, S.raw);
 
     CompressedRows comp;
     if (compressed) {
@@ -391,10 +385,7 @@ void Model::ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int6
     Tensor routed = first(w.routed, n);
     b.moe(xn, experts, weights, L.gate_exps, L.up_exps, L.down_exps, lc.swiglu_limit, routed);
 
-    b.swiglu(g, u, g, lc.swiglu_limit_shared);
-    Tensor out = first(w.out, n);
-    b.matmul(L.down_shexp, g, out);
-    b.add(routed, out, out);
+    b.swiglu_matmul_add(L.down_shexp, g, u, lc.swiglu_limit_shared, routed, first(w.out, n));
 }
 
 }  // namespace dsv4

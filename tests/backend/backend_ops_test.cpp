@@ -274,7 +274,9 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::F16, 4096, 1024, 1}, MatCase{GgmlType::F16, 1024, 8192, 2},
                              MatCase{GgmlType::F16, 4096, 256, 1}, MatCase{GgmlType::F16, 4096, 64, 5},
                              MatCase{GgmlType::IQ2_XXS, 4096, 2048, 1}, MatCase{GgmlType::Q2_K, 2048, 4096, 1},
-                             MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12}));
+                             MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12},
+                             // one token whose quantized row is too wide to quantize in the block
+                             MatCase{GgmlType::Q2_K, 32768, 24, 1}, MatCase{GgmlType::Q8_0, 65536, 8, 1}));
 
 TEST(Ops, MatmulGroupedOutputProjection) {
     for (int64_t n : {1, 3, 20}) {
@@ -294,6 +296,83 @@ TEST(Ops, MatmulGroupedOutputProjection) {
     gpu().matmul_grouped(w.g, x.g, y.g, 2);
     cpu().matmul_grouped(w.c, x.c, y.c, 2);
     compare("matmul_grouped f32 [16, 2x24] n=5", y, 1e-5);
+}
+
+// The projections of one input in one call: the attention's seven (Q8_0 and F16: one launch), the FFN's three,
+// a mix of other types (one launch per type), and more targets than one launch takes.
+TEST(Ops, MatmulMany) {
+    struct Proj {
+        GgmlType type;
+        int64_t out;
+    };
+    const std::vector<Proj> attention = {{GgmlType::Q8_0, 1024}, {GgmlType::Q8_0, 512}, {GgmlType::F16, 1024},
+                                         {GgmlType::F16, 1024},  {GgmlType::F16, 256},  {GgmlType::F16, 256},
+                                         {GgmlType::F16, 64}};
+    const std::vector<Proj> ffn = {{GgmlType::F16, 256}, {GgmlType::Q8_0, 2048}, {GgmlType::Q8_0, 2048}};
+    const std::vector<Proj> mixed = {{GgmlType::Q2_K, 70},    {GgmlType::Q8_0, 33}, {GgmlType::F32, 17},
+                                     {GgmlType::IQ2_XXS, 40}, {GgmlType::F16, 9},   {GgmlType::Q8_0, 5}};
+    std::vector<Proj> many;
+    for (int i = 0; i < 11; ++i) many.push_back({i % 3 ? GgmlType::Q8_0 : GgmlType::F16, 16 + 8 * i});
+    struct Case {
+        const char * name;
+        const std::vector<Proj> & proj;
+        int64_t in;
+    };
+    for (const Case & c : {Case{"attention", attention, 4096}, Case{"ffn", ffn, 4096}, Case{"mixed", mixed, 512},
+                           Case{"11 targets", many, 256}}) {
+        for (int64_t n : {1, 5, 19}) {
+            Store s;
+            const Both x = s.values(randn(size_t(c.in * n)), c.in, n);
+            std::vector<Both> ws, ys;
+            std::vector<MatmulTarget> tg, tc;
+            for (const Proj & p : c.proj) {
+                ws.push_back(s.weight(p.type, c.in, p.out));
+                ys.push_back(s.out(GgmlType::F32, p.out, n));
+                tg.push_back({ws.back().g, ys.back().g});
+                tc.push_back({ws.back().c, ys.back().c});
+            }
+            gpu().matmul_many(x.g, tg);
+            cpu().matmul_many(x.c, tc);
+            for (size_t i = 0; i < ys.size(); ++i)
+                compare(std::string("matmul_many ") + c.name + " n=" + std::to_string(n) + " target " +
+                            std::to_string(i) + " " + std::string(type_name(c.proj[i].type)) + " " + shape(ws[i].c),
+                        ys[i], 1e-4);
+        }
+    }
+}
+
+// The shared expert's down projection with its activation and the routed sum fused (Q8_0 in the quantized files,
+// float types in the others; one token quantizes in the block, several through the activation rows).
+TEST(Ops, SwigluMatmulAdd) {
+    for (auto [type, in, out] : {std::tuple<GgmlType, int64_t, int64_t>{GgmlType::Q8_0, 2048, 4096},
+                                 {GgmlType::F16, 2048, 256},
+                                 {GgmlType::F32, 48, 36},
+                                 {GgmlType::Q2_K, 512, 64}}) {
+        for (int64_t n : {1, 3, 12}) {
+            Store s;
+            const Both w = s.weight(type, in, out);
+            const Both g = s.values(randn(size_t(in * n), 2.0f), in, n),
+                       u = s.values(randn(size_t(in * n), 2.0f), in, n);
+            const Both add = s.values(randn(size_t(out * n)), out, n);
+            const Both y = s.out(GgmlType::F32, out, n);
+            gpu().swiglu_matmul_add(w.g, g.g, u.g, 10.0f, add.g, y.g);
+            cpu().swiglu_matmul_add(w.c, g.c, u.c, 10.0f, add.c, y.c);
+            const std::string what = std::string("swiglu_matmul_add ") + std::string(type_name(type)) + " " +
+                                     shape(w.c) + " n=" + std::to_string(n);
+            // The activated values equal the CPU's to ~1 ulp; a value that lands on a code boundary can round to
+            // the neighbouring 8-bit code (as in the MoE's hidden rows).
+            compare(what + " vs cpu", y, is_float_type(type) ? 1e-5 : 1e-2);
+            // And equal to the unfused GPU ops (swiglu, matmul, add): the same arithmetic, launch for launch.
+            const Both h = s.out(GgmlType::F32, in, n), p = s.out(GgmlType::F32, out, n);
+            gpu().swiglu(g.g, u.g, h.g, 10.0f);
+            gpu().matmul(w.g, h.g, p.g);
+            gpu().add(add.g, p.g, p.g);
+            compare(what + " vs unfused gpu ops", read_gpu(p.g).data(), read_gpu(y.g), 1e-6);
+            // In place on the addend.
+            gpu().swiglu_matmul_add(w.g, g.g, u.g, 10.0f, add.g, add.g);
+            compare(what + " in place", read_gpu(y.g).data(), read_gpu(add.g), 0.0);
+        }
+    }
 }
 
 TEST(Ops, GetRows) {
@@ -354,6 +433,55 @@ TEST(Ops, RmsNormRopeAddSwiglu) {
     }
 }
 
+// The query heads (64 × 512, no gamma) and the K=V row (gamma, FP8 of the unrotated channels, into the ring).
+TEST(Ops, NormRope) {
+    for (int64_t n : {1, 6}) {
+        Store s;
+        std::vector<int32_t> pos(static_cast<size_t>(n));
+        for (int64_t t = 0; t < n; ++t) pos[size_t(t)] = int32_t(t == 0 ? 131071 : 400 + t);
+        const Both p = s.ids(pos, n);
+        const Both f = s.values(inv_freq(64, 160000.0f), 32);
+        RopeSpec sc, sg;
+        sc.inv_freq = f.c;
+        sg.inv_freq = f.g;
+        sc.n_rot = sg.n_rot = 64;
+        const std::string tag = " n=" + std::to_string(n);
+        const Both q = s.values(randn(size_t(512 * 64 * n), 3.0f), 512, 64, 1, n);
+        gpu().norm_rope(q.g, Tensor{}, 1e-6f, sg, p.g, 0, Tensor{});
+        cpu().norm_rope(q.c, Tensor{}, 1e-6f, sc, p.c, 0, Tensor{});
+        compare("norm_rope q 64 heads x 512" + tag, q, 2e-5);
+        std::vector<float> gv = randn(512, 0.1f);
+        for (float & v : gv) v += 1.0f;
+        const Both gamma = s.values(gv, 512);
+        for (int64_t fp8 : {int64_t(0), int64_t(448)}) {
+            const Both kv = s.values(randn(size_t(512 * n), 2.0f), 512, 1, 1, n);
+            const Both ring = s.values(randn(size_t(130 * 512)), 512, 130);
+            // The unfused ops on the GPU, on a copy.
+            const Both kv2 = s.values(std::vector<float>(size_t(512 * n)), 512, 1, 1, n);
+            const Both ring2 = s.values(std::vector<float>(size_t(130 * 512)), 512, 130);
+            gpu().copy(kv2.g, kv.g, kv.g.n_bytes());
+            gpu().copy(ring2.g, ring.g, ring.g.n_bytes());
+            gpu().norm_rope(kv.g, gamma.g, 1e-6f, sg, p.g, fp8, ring.g);
+            cpu().norm_rope(kv.c, gamma.c, 1e-6f, sc, p.c, fp8, ring.c);
+            const std::string what = "norm_rope kv fp8 " + std::to_string(fp8) + tag;
+            if (fp8 == 0) {
+                compare(what, kv, 2e-5);
+                compare(what + " ring", ring, 2e-5);
+            } else {
+                compare_rounded(what, kv, 0.01);
+                compare_rounded(what + " ring", ring, 0.01);
+            }
+            if (fp8) continue;  // a last-bit difference may move an element by a rounding step: checked above
+            const Tensor kv2_rows = reshape(kv2.g, 512, n);
+            gpu().rms_norm(kv2_rows, gamma.g, kv2_rows, 1e-6f);
+            gpu().rope(kv2.g, sg, p.g, false);
+            gpu().store_rows(ring2.g, kv2_rows, p.g);
+            compare(what + " vs unfused gpu ops", read_gpu(kv2.g).data(), read_gpu(kv.g), 1e-6);
+            compare(what + " ring vs unfused gpu ops", read_gpu(ring2.g).data(), read_gpu(ring.g), 1e-6);
+        }
+    }
+}
+
 TEST(Ops, OfficialRoundTrips) {
     Store s;
     for (auto [width, dims] : {std::pair<int64_t, int64_t>{512, 448}, {100, 100}, {64, 40}}) {
@@ -394,11 +522,24 @@ TEST(Ops, HyperConnections) {
         const Both base = s.values(randn(size_t(mix), 0.5f), mix);
         const Both y = s.out(GgmlType::F32, D, n), post = s.out(GgmlType::F32, hc, n),
                    comb = s.out(GgmlType::F32, hc, hc, 1, n);
-        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, y.g, post.g, comb.g);
-        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, y.c, post.c, comb.c);
+        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, Tensor{}, y.g, post.g, comb.g);
+        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, Tensor{}, y.c, post.c, comb.c);
         compare("hc_pre y" + tag, y, 1e-5);
         compare("hc_pre post" + tag, post, 1e-5);
         compare("hc_pre comb (Sinkhorn 20)" + tag, comb, 1e-5);
+        // With the sublayer's input norm fused in: the same as hc_pre, then rms_norm.
+        std::vector<float> gv = randn(size_t(D), 0.1f);
+        for (float & v : gv) v += 1.0f;
+        const Both gamma = s.values(gv, D);
+        const Both yn = s.out(GgmlType::F32, D, n), post2 = s.out(GgmlType::F32, hc, n),
+                   comb2 = s.out(GgmlType::F32, hc, hc, 1, n);
+        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, gamma.g, yn.g, post2.g, comb2.g);
+        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, gamma.c, yn.c, post2.c, comb2.c);
+        compare("hc_pre normed y" + tag, yn, 1e-5);
+        compare("hc_pre normed post" + tag, post2, 1e-5);
+        Both yr = s.out(GgmlType::F32, D, n);
+        cpu().rms_norm(y.c, gamma.c, yr.c, 1e-6f);
+        compare("hc_pre normed y vs unfused gpu hc_pre + rms_norm" + tag, yr.c.f32(), read_gpu(yn.g), 1e-5);
         const Both o = s.values(randn(size_t(D * n)), D, n);
         const Both out = s.out(GgmlType::F32, D, hc, 1, n);
         gpu().hc_post(streams.g, o.g, post.g, comb.g, out.g);

@@ -167,6 +167,42 @@ class CpuBackend final : public Backend {
         });
     }
 
+    void swiglu_matmul_add(const Tensor & w, const Tensor & gate, const Tensor & up, float limit, const Tensor & add,
+                           const Tensor & y) override {
+        const int64_t in = gate.ne[0], n = gate.rows(), out = y.ne[0];
+        fused_act_.reserve(size_t(n * in) * sizeof(float));
+        fused_out_.reserve(size_t(n * out) * sizeof(float));
+        float * h = fused_act_.as<float>();
+        float * p = fused_out_.as<float>();
+        pool_.parallel_for(size_t(n * in), 1 << 14, [&](size_t b, size_t e, int) {
+            for (size_t i = b; i < e; ++i) h[i] = swiglu_one(gate.f32()[i], up.f32()[i], limit);
+        });
+        matmul_rows(w, 0, w.ne[1], h, in, n, p, out);
+        pool_.parallel_for(size_t(n * out), 1 << 14, [&](size_t b, size_t e, int) {
+            for (size_t i = b; i < e; ++i) y.f32()[i] = add.f32()[i] + p[i];
+        });
+    }
+
+    void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope, const Tensor & positions,
+                   int64_t fp8_dims, const Tensor & ring) override {
+        const int64_t width = x.ne[0], heads = x.ne[1], n = x.rows() / heads;
+        const size_t token_bytes = size_t(heads * width) * sizeof(float);
+        pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int) {
+            for (size_t t = b; t < e; ++t) {
+                float * xt = x.f32() + int64_t(t) * heads * width;
+                const int32_t pos = positions.i32()[t];
+                for (int64_t h = 0; h < heads; ++h)
+                    norm_row(xt + h * width, gamma ? gamma.f32() : nullptr, xt + h * width, width, eps);
+                rope_heads(xt, heads, width, rope, pos, false);
+                if (fp8_dims > 0)
+                    for (int64_t h = 0; h < heads; ++h) fp8_row(xt + h * width, fp8_dims);
+                if (ring)
+                    std::memcpy(static_cast<uint8_t *>(ring.data) + size_t(pos % ring.rows()) * token_bytes, xt,
+                                token_bytes);
+            }
+        });
+    }
+
     // ---- official numerics -----------------------------------------------------------------------------------
     void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
         const int64_t width = x.ne[0];
@@ -192,7 +228,8 @@ class CpuBackend final : public Backend {
     }
 
     void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                float eps_hc, float eps_norm, const Tensor & y, const Tensor & post, const Tensor & comb) override {
+                float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+                const Tensor & comb) override {
         const int64_t width = streams.ne[0];
         const int64_t hc = streams.ne[1];
         const int64_t n = streams.rows() / hc;
@@ -219,6 +256,7 @@ class CpuBackend final : public Backend {
                     for (int64_t h = 0; h < hc; ++h) s += pre[h] * x[h * width + c];
                     yt[c] = s;
                 }
+                if (norm) norm_row(yt, norm.f32(), yt, width, eps_norm);
             }
         });
     }
@@ -650,6 +688,7 @@ class CpuBackend final : public Backend {
     };
     AlignedBuffer act_;
     ActKey act_key_;
+    AlignedBuffer fused_act_, fused_out_;  // swiglu_matmul_add: the activated rows and the product
 };
 
 }  // namespace

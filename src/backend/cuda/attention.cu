@@ -27,6 +27,7 @@ int device_sms() {
 // ---------------------------------------------------------------------------------------------------------------------
 __global__ void store_rows_kernel(float * ring, int64_t ring_rows, const float * rows, int64_t n, int64_t width,
                                   const int32_t * positions) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * width) return;
     const int64_t t = i / width, c = i % width;
@@ -47,15 +48,9 @@ __device__ __forceinline__ Candidate chunk_value(const CompressorArgs & a, int64
     return {a.kv[t * a.wide + col], a.score[t * a.wide + col] + weight_element(a.ape, q % a.ratio, col)};
 }
 
-// Pools channel c of every block that the chunk completes (one thread per channel and token).
-__global__ void compressor_pool_kernel(const CompressorArgs a) {
-    const int64_t t = blockIdx.y;
-    const int64_t width = a.overlap ? a.wide / 2 : a.wide;
-    const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t pos = a.positions[t], R = a.ratio;
-    if (c >= width || pos % R != R - 1) return;
-    const int64_t p0 = a.positions[0], b = pos / R;
-    if (b >= a.capacity) return;
+// The pooled value of channel c of block b (softmax over the candidates' scores), c < width.
+__device__ float pool_channel(const CompressorArgs & a, int64_t b, int64_t c, int64_t width) {
+    const int64_t R = a.ratio, p0 = a.positions[0];
     const int64_t open0 = a.overlap ? R : 0;
     auto get = [&](int64_t q, int64_t col) -> Candidate {
         if (q >= p0) return chunk_value(a, q, p0, col);
@@ -83,22 +78,23 @@ __global__ void compressor_pool_kernel(const CompressorArgs a) {
     if (a.overlap)
         for (int64_t r = 0; r < R; ++r) add(get((b - 1) * R + r, c));
     for (int64_t r = 0; r < R; ++r) add(get(b * R + r, (a.overlap ? width : 0) + c));
-    a.store[b * width + c] = acc / denom;
+    return acc / denom;
 }
 
-// Finishes each pooled row: RMSNorm, RoPE at the block's first position b·R, rounding. One block per token.
-__global__ void compressor_finish_kernel(const CompressorArgs a) {
-    extern __shared__ float row[];
+// Pools and finishes the row of every block that the chunk completes, one block per token: the pooled row in
+// shared memory, then RMSNorm, RoPE at the block's first position b·R, rounding, and the store.
+__global__ void compressor_rows_kernel(const CompressorArgs a) {
+    pdl_begin();
+    extern __shared__ float row[];  // [width]
     __shared__ double red[32];
     const int64_t t = blockIdx.x;
     const int64_t width = a.overlap ? a.wide / 2 : a.wide;
     const int64_t pos = a.positions[t], R = a.ratio;
     if (pos % R != R - 1 || pos / R >= a.capacity) return;
     const int64_t b = pos / R;
-    float * dst = a.store + b * width;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-        row[i] = dst[i];
+        row[i] = pool_channel(a, b, i, width);
         ss += double(row[i]) * double(row[i]);
     }
     ss = block_sum(ss, red);
@@ -117,12 +113,14 @@ __global__ void compressor_finish_kernel(const CompressorArgs a) {
     __syncthreads();
     if (a.rounding == 1) fp8_row_shared(row, a.fp8_dims);
     if (a.rounding == 2) hadamard_fp4_shared(row, width);
+    float * dst = a.store + b * width;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = row[i];
 }
 
 // Advances the frontier: afterwards the open rows hold the open block's tokens (empty slots (0, -inf)) and, with
 // overlap, rows [0, R) the last completed block. One thread per (slot, column) reads and writes only its own cells.
 __global__ void compressor_state_kernel(const CompressorArgs a) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t R = a.ratio;
     if (i >= R * a.wide) return;
@@ -151,6 +149,7 @@ __global__ void compressor_state_kernel(const CompressorArgs a) {
 constexpr int kIdxKeysPerBlock = 32;  // 8 warps × 4 keys
 
 __global__ void indexer_scores_kernel(const IndexerArgs a) {
+    pdl_begin();
     extern __shared__ float smem_idx[];
     const int64_t t = blockIdx.y;
     const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
@@ -228,6 +227,7 @@ __device__ int block_exclusive_scan(int v, int & excl, int * red) {
 constexpr int kTopkThreads = 1024;
 
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
+    pdl_begin();
     __shared__ int hist[256];
     __shared__ int red[33];
     __shared__ uint32_t s_prefix;
@@ -332,7 +332,8 @@ __device__ __forceinline__ const float * key_row(const AttentionArgs & a, const 
 // One warp per head; the block's 8 heads share the key rows through L1. Keys of the token are split over
 // gridDim.y blocks; with one split the output is final, else a partial (max, denominator, numerator) per split.
 template <int DPL>
-__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const AttentionArgs a, int64_t per_split) {
+__global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const AttentionArgs a, int64_t per_split) {
+    pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t h = int64_t(blockIdx.x) * kAttnWarps + warp, t = blockIdx.z, split = blockIdx.y;
     if (h >= a.heads) return;
@@ -348,25 +349,49 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const Attent
         qv[i] = e < d ? qh[e] : 0.0f;
         o[i] = 0.0f;
     }
+    // kKeys keys per step: their loads and reductions are independent, so a step costs about one memory and one
+    // shuffle latency instead of kKeys of each (decode reads ~640 keys per head over a few blocks).
+    constexpr int kKeys = DPL <= 4 ? 8 : 4;
     float m = -INFINITY, den = 0.0f;
-    for (int64_t j = j0; j < j1; ++j) {
-        const float * k = key_row(a, kl, t, j);
-        if (!k) continue;
-        float kv[DPL];
-        float dot = 0.0f;
+    for (int64_t j = j0; j < j1; j += kKeys) {
+        const float * k[kKeys];
+#pragma unroll
+        for (int jj = 0; jj < kKeys; ++jj) k[jj] = j + jj < j1 ? key_row(a, kl, t, j + jj) : nullptr;
+        float kv[kKeys][DPL];
+        float l[kKeys];
+#pragma unroll
+        for (int jj = 0; jj < kKeys; ++jj) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const int64_t e = lane + 32 * i;
+                kv[jj][i] = k[jj] && e < d ? __ldg(k[jj] + e) : 0.0f;
+                dot += qv[i] * kv[jj][i];
+            }
+            l[jj] = dot;
+        }
+        float m_new = m;
+#pragma unroll
+        for (int jj = 0; jj < kKeys; ++jj) {
+            l[jj] = warp_sum(l[jj]) * a.scale;
+            if (k[jj]) m_new = fmaxf(m_new, l[jj]);
+        }
+        if (m_new == -INFINITY) continue;  // no key in this step
+        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+        float p[kKeys];
+        den *= corr;
+#pragma unroll
+        for (int jj = 0; jj < kKeys; ++jj) {
+            p[jj] = k[jj] ? expf(l[jj] - m_new) : 0.0f;
+            den += p[jj];
+        }
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
-            const int64_t e = lane + 32 * i;
-            kv[i] = e < d ? __ldg(k + e) : 0.0f;
-            dot += qv[i] * kv[i];
-        }
-        const float l = warp_sum(dot) * a.scale;
-        const float m_new = fmaxf(m, l);
-        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
-        const float p = expf(l - m_new);
-        den = den * corr + p;
+            float v = o[i] * corr;
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) o[i] = o[i] * corr + p * kv[i];
+            for (int jj = 0; jj < kKeys; ++jj) v += p[jj] * kv[jj][i];
+            o[i] = v;
+        }
         m = m_new;
     }
     if (gridDim.y == 1) {
@@ -395,6 +420,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const Attent
 }
 
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
+    pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t th = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
     if (th >= a.n * a.heads) return;
@@ -426,25 +452,26 @@ int64_t max_keys(const AttentionArgs & a) { return a.window + (!a.comp ? 0 : a.s
 void store_rows(float * ring, int64_t ring_rows, const float * rows, int64_t n, int64_t width,
                 const int32_t * positions, cudaStream_t s) {
     if (n * width > 0)
-        store_rows_kernel<<<blocks_for(n * width, 256), 256, 0, s>>>(ring, ring_rows, rows, n, width, positions);
+        launch(store_rows_kernel, dim3(blocks_for(n * width, 256)), dim3(256), 0, s, ring, ring_rows, rows, n, width,
+               positions);
 }
 
 void compressor_update(const CompressorArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int64_t width = a.overlap ? a.wide / 2 : a.wide;
-    compressor_pool_kernel<<<dim3(blocks_for(width, 128), unsigned(a.n)), 128, 0, s>>>(a);
-    compressor_finish_kernel<<<unsigned(a.n), 128, size_t(width) * sizeof(float), s>>>(a);
-    compressor_state_kernel<<<blocks_for(a.ratio * a.wide, 256), 256, 0, s>>>(a);
+    // Every pooling thread owns one channel (up to 512: a V4 row); the state update runs after every pool read.
+    const int threads = int(std::clamp<int64_t>((width + 31) / 32 * 32, 64, 512));
+    launch(compressor_rows_kernel, dim3(unsigned(a.n)), dim3(threads), size_t(width) * sizeof(float), s, a);
+    launch(compressor_state_kernel, dim3(blocks_for(a.ratio * a.wide, 256)), dim3(256), 0, s, a);
 }
 
 void indexer_select(const IndexerArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
-    if (smem > 48 * 1024)
-        cudaFuncSetAttribute(indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (a.capacity > a.top_k)
-        indexer_scores_kernel<<<dim3(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n)), 256, smem, s>>>(a);
-    indexer_topk_kernel<<<unsigned(a.n), kTopkThreads, 0, s>>>(a);
+        launch(indexer_scores_kernel, dim3(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n)), dim3(256), smem, s,
+               a);
+    launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 
 int attention_splits(const AttentionArgs & a) {
@@ -466,16 +493,17 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
     const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));
     const int dpl = int((a.dim + 31) / 32);
     if (dpl <= 1)
-        attention_kernel<1><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+        launch(attention_kernel<1>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     else if (dpl <= 2)
-        attention_kernel<2><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+        launch(attention_kernel<2>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     else if (dpl <= 4)
-        attention_kernel<4><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+        launch(attention_kernel<4>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     else if (dpl <= 8)
-        attention_kernel<8><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
+        launch(attention_kernel<8>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     else
-        attention_kernel<16><<<grid, kAttnWarps * 32, 0, s>>>(a, per_split);
-    if (splits > 1) attention_combine_kernel<<<blocks_for(a.n * a.heads * 32, 256), 256, 0, s>>>(a, splits);
+        launch(attention_kernel<16>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
+    if (splits > 1)
+        launch(attention_combine_kernel, dim3(blocks_for(a.n * a.heads * 32, 256)), dim3(256), 0, s, a, splits);
 }
 
 }  // namespace dsv4::cuda

@@ -224,33 +224,32 @@ class CudaBackend final : public Backend {
 
     void matmul(const Tensor & w, const Tensor & x, const Tensor & y) override {
         const OpScope scope(*this, matmul_name(w, x));
-        cuda::MatvecArgs a;
-        a.w = ref(w);
-        a.rows = w.ne[1];
-        a.x = x.f32();
-        a.x_stride = x.ne[0];
-        a.y = y.f32();
-        a.y_stride = y.ne[0];
-        a.n = x.rows();
+        cuda::MatvecArgs a = matvec_args(x);
+        a.t[0] = target(w, y, w.ne[1]);
         run_matvec(a);
     }
 
-    // One launch per projection for now; a fused launch over all targets is the next step for decode.
+    // All targets in one launch (up to cuda::kMaxTargets of them; more run in further launches).
     void matmul_many(const Tensor & x, std::span<const MatmulTarget> targets) override {
-        for (const MatmulTarget & t : targets) matmul(t.w, x, t.y);
+        const OpScope scope(*this, "matmul_many " + matmul_name(targets.empty() ? Tensor{} : targets[0].w, x));
+        for (size_t first = 0; first < targets.size(); first += cuda::kMaxTargets) {
+            cuda::MatvecArgs a = matvec_args(x);
+            a.n_targets = int(std::min<size_t>(cuda::kMaxTargets, targets.size() - first));
+            for (int i = 0; i < a.n_targets; ++i) {
+                const MatmulTarget & t = targets[first + size_t(i)];
+                DSV4_CHECK(t.w.ne[0] == x.ne[0], "cuda matmul_many: weight width {} is not the input width {}",
+                           t.w.ne[0], x.ne[0]);
+                a.t[i] = target(t.w, t.y, t.w.ne[1]);
+            }
+            run_matvec(a);
+        }
     }
 
     void matmul_grouped(const Tensor & w, const Tensor & x, const Tensor & y, int64_t groups) override {
         const OpScope scope(*this, "matmul_grouped " + matmul_name(w, x));
-        cuda::MatvecArgs a;
-        a.w = ref(w);
-        a.rows = w.ne[1] / groups;
+        cuda::MatvecArgs a = matvec_args(x);
+        a.t[0] = target(w, y, w.ne[1] / groups);
         a.groups = int(groups);
-        a.x = x.f32();
-        a.x_stride = x.ne[0];
-        a.y = y.f32();
-        a.y_stride = y.ne[0];
-        a.n = x.rows();
         run_matvec(a);
     }
 
@@ -280,6 +279,39 @@ class CudaBackend final : public Backend {
         launched("swiglu");
     }
 
+    // One product whose blocks read swiglu(gate, up) as their activation and add `add` as they store.
+    void swiglu_matmul_add(const Tensor & w, const Tensor & gate, const Tensor & up, float limit, const Tensor & add,
+                           const Tensor & y) override {
+        const OpScope scope(*this, "swiglu_matmul_add " + matmul_name(w, gate));
+        cuda::MatvecArgs a = matvec_args(gate);
+        a.x_up = up.f32();
+        a.x_limit = limit;
+        a.t[0] = target(w, y, w.ne[1]);
+        a.t[0].add = add.f32();
+        run_matvec(a);
+    }
+
+    void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope, const Tensor & positions,
+                   int64_t fp8_dims, const Tensor & ring) override {
+        const OpScope scope(*this, "norm_rope");
+        cuda::NormRopeArgs a;
+        a.x = x.f32();
+        a.gamma = gamma ? gamma.f32() : nullptr;
+        a.eps = eps;
+        a.heads = x.ne[1];
+        a.width = x.ne[0];
+        a.n = x.rows() / a.heads;
+        a.inv_freq = rope.inv_freq.f32();
+        a.n_rot = rope.n_rot;
+        a.positions = positions.i32();
+        a.fp8_dims = fp8_dims;
+        a.ring = ring ? ring.f32() : nullptr;
+        a.ring_rows = ring ? ring.rows() : 0;
+        DSV4_CHECK(a.width * sizeof(float) <= 48 * 1024, "cuda norm_rope: row width {} is more than 12288", a.width);
+        cuda::norm_rope(a, stream_);
+        launched("norm_rope");
+    }
+
     void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
         const OpScope scope(*this, "fp8_roundtrip");
         cuda::fp8_roundtrip(x.f32(), x.rows(), x.ne[0], n_dims, stream_);
@@ -302,9 +334,13 @@ class CudaBackend final : public Backend {
     }
 
     void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                float eps_hc, float eps_norm, const Tensor & y, const Tensor & post, const Tensor & comb) override {
+                float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+                const Tensor & comb) override {
         const OpScope scope(*this, "hc_pre");
         cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, y, false);
+        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024, "cuda hc_pre: normed width {} is more than 12288",
+                   a.width);
+        a.norm = norm ? norm.f32() : nullptr;
         a.iters = iters;
         a.post = post.f32();
         a.comb = comb.f32();
@@ -440,31 +476,31 @@ class CudaBackend final : public Backend {
         const int64_t n = x.rows(), dim = x.ne[0], inner = gate.ne[1], n_expert = gate.ne[2], k = experts.ne[0];
         const int64_t n_pairs = n * k;
         cuda::MatvecArgs g;
-        g.w = ref(gate);
-        g.w_up = ref(up);
+        g.t[0] = target(gate, Tensor{}, inner);
+        g.t[0].w_up = ref(up);
         g.glu = true;
         g.limit = limit;
-        g.rows = inner;
         g.x = x.f32();
         g.x_stride = dim;
         g.src_div = int(k);
         cuda::MatvecArgs d;
-        d.w = ref(down);
-        d.rows = dim;
+        d.t[0] = target(down, Tensor{}, dim);
         d.x_stride = inner;
-        d.y_stride = dim;
         d.src_div = 1;
-        const int nt = std::min(cuda::matvec_tile_tokens(g, n), cuda::matvec_tile_tokens(d, n));
+        const int nt =
+            std::min(cuda::matvec_tile_tokens(gate.type, dim, n), cuda::matvec_tile_tokens(down.type, inner, n));
         const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
-        // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and the
-        // quantized activations of x (per token) and of the hidden rows (per pair).
+        // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and, for
+        // tiles of several tokens, the quantized activations of x (per token) and of the hidden rows (per pair).
+        const bool gq = cuda::matvec_needs_quantized(gate.type, dim, nt);
+        const bool dq = cuda::matvec_needs_quantized(down.type, inner, nt);
         auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
         const size_t ints = size_t(n_pairs + 3 * max_tiles + 1);
         const size_t ints_bytes = round_up(ints * sizeof(int32_t));
         const size_t h_bytes = round_up(size_t(n_pairs * inner) * sizeof(float));
         const size_t y_bytes = round_up(size_t(n_pairs * dim) * sizeof(float));
-        const size_t xq_bytes = round_up(size_t(cuda::matvec_act_bytes(gate.type, dim, n)));
-        const size_t hq_bytes = round_up(size_t(cuda::matvec_act_bytes(down.type, inner, n_pairs)));
+        const size_t xq_bytes = gq ? round_up(size_t(cuda::matvec_act_bytes(gate.type, dim, n))) : 0;
+        const size_t hq_bytes = dq ? round_up(size_t(cuda::matvec_act_bytes(down.type, inner, n_pairs))) : 0;
         uint8_t * base = static_cast<uint8_t *>(scratch(ints_bytes + h_bytes + y_bytes + xq_bytes + hq_bytes));
         int32_t * pairs = reinterpret_cast<int32_t *>(base);
         int32_t * tiles = pairs + n_pairs;
@@ -475,15 +511,20 @@ class CudaBackend final : public Backend {
         uint8_t * hq = xq + xq_bytes;
         cuda::moe_plan(experts.i32(), n_pairs, n_expert, nt, pairs, tiles, n_tiles, stream_);
         launched("moe_plan");
-        g.y = h;
-        g.y_stride = inner;
-        g.xq = xq;
+        g.t[0].y = h;
+        g.t[0].y_stride = inner;
         d.x = h;
-        d.y = ybuf;
-        d.xq = hq;
-        cuda::matvec_quantize(gate.type, x.f32(), dim, n, 1, dim, xq, stream_);
+        d.t[0].y = ybuf;
+        d.t[0].y_stride = dim;
+        if (gq) {
+            cuda::matvec_quantize(gate.type, x.f32(), nullptr, 0, dim, n, 1, dim, xq, stream_);
+            g.xq[cuda::matvec_act_kind(gate.type)] = xq;
+        }
         for (cuda::MatvecArgs * a : {&g, &d}) {
-            if (a == &d) cuda::matvec_quantize(down.type, h, inner, n_pairs, 1, inner, hq, stream_);
+            if (a == &d && dq) {
+                cuda::matvec_quantize(down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq, stream_);
+                d.xq[cuda::matvec_act_kind(down.type)] = hq;
+            }
             a->tiles = tiles;
             a->n_tiles = n_tiles;
             a->pairs = pairs;
@@ -586,18 +627,53 @@ class CudaBackend final : public Backend {
         return r;
     }
 
+    static void check_weight_type(GgmlType t) {
+        DSV4_CHECK(is_float_type(t) || t == GgmlType::Q8_0 || t == GgmlType::Q2_K || t == GgmlType::Q4_K ||
+                       t == GgmlType::IQ2_XXS || t == GgmlType::MXFP4,
+                   "cuda matmul: weight type {} is not supported", type_name(t));
+    }
+
+    static cuda::MatvecArgs matvec_args(const Tensor & x) {
+        cuda::MatvecArgs a;
+        a.x = x.f32();
+        a.x_stride = x.ne[0];
+        a.n = x.rows();
+        return a;
+    }
+
+    cuda::MatvecTarget target(const Tensor & w, const Tensor & y, int64_t rows) const {
+        check_weight_type(w.type);
+        cuda::MatvecTarget t;
+        t.w = ref(w);
+        t.rows = rows;
+        t.y = y ? y.f32() : nullptr;
+        t.y_stride = y ? y.ne[0] : 0;
+        return t;
+    }
+
+    // Quantizes the activations once per kind where a target needs them pre-quantized (tiles of several tokens,
+    // or rows too wide for a block to quantize its own), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
         if (a.n <= 0) return;
-        DSV4_CHECK(is_float_type(a.w.type) || a.w.type == GgmlType::Q8_0 || a.w.type == GgmlType::Q2_K ||
-                       a.w.type == GgmlType::Q4_K || a.w.type == GgmlType::IQ2_XXS || a.w.type == GgmlType::MXFP4,
-                   "cuda matmul: weight type {} is not supported", type_name(a.w.type));
-        const int64_t act = cuda::matvec_act_bytes(a.w.type, a.w.ne0, a.n * a.groups);
-        if (act > 0) {
-            uint8_t * xq = static_cast<uint8_t *>(scratch(size_t(act)));
-            cuda::matvec_quantize(a.w.type, a.x, a.x_stride, a.n, a.groups, a.w.ne0, xq, stream_);
-            a.xq = xq;
+        const int64_t k = a.t[0].w.ne0;
+        int nt = cuda::kMaxTileTokens;
+        for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
+        GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};  // a weight type of each activation kind needed
+        for (int i = 0; i < a.n_targets; ++i)
+            if (cuda::matvec_needs_quantized(a.t[i].w.type, k, nt))
+                kinds[cuda::matvec_act_kind(a.t[i].w.type)] = a.t[i].w.type;
+        size_t bytes[2] = {0, 0};
+        for (int j = 0; j < 2; ++j)
+            bytes[j] = (size_t(cuda::matvec_act_bytes(kinds[j], k, a.n * a.groups)) + 255) / 256 * 256;
+        if (bytes[0] + bytes[1] > 0) {
+            uint8_t * xq = static_cast<uint8_t *>(scratch(bytes[0] + bytes[1]));
+            for (int j = 0; j < 2; ++j) {
+                if (!bytes[j]) continue;
+                uint8_t * dst = xq + (j ? bytes[0] : 0);
+                cuda::matvec_quantize(kinds[j], a.x, a.x_up, a.x_limit, a.x_stride, a.n, a.groups, k, dst, stream_);
+                a.xq[j] = dst;
+            }
         }
-        const int nt = cuda::matvec_tile_tokens(a, a.n);
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
     }

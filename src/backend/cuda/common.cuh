@@ -7,12 +7,55 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-
 #include <cstdint>
+#include <utility>
 
 namespace dsv4::cuda {
 
 constexpr unsigned kFull = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Launches: programmatic dependent launch (sm_90 and later)
+// ---------------------------------------------------------------------------------------------------------------------
+// Every kernel is launched with programmatic stream serialization: its blocks may start while the previous kernel
+// of the stream is still running (a decode step is ~30 short dependent kernels; this hides most of each launch's
+// latency, and lets a product stream its weights into L2 meanwhile). The rule that keeps this correct: every
+// kernel calls pdl_begin() in every block before it touches any memory another kernel writes or reads (only
+// weights, which no kernel writes, may be read or prefetched before it). pdl_begin() waits until the previous
+// kernel has completed and its writes are visible, then lets the next kernel launch. DSV4_CUDA_PDL=0 launches
+// plainly (the instructions are then no-ops).
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+bool pdl_enabled();
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&... args) {
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// Pulls [p, p + bytes) into L2 (a hint: it returns no data, so it is safe on memory being written).
+__device__ __forceinline__ void prefetch_l2(const uint8_t * p, int64_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);
+    const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+    for (uintptr_t a = first + uintptr_t(threadIdx.x) * 128; a < end; a += uintptr_t(blockDim.x) * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Scalars

@@ -51,23 +51,35 @@ void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t fi
 // Matrix-vector products (matvec.cu)
 // ---------------------------------------------------------------------------------------------------------------------
 // Tokens come in tiles of up to kMaxTileTokens; each block reads its rows' weights once per tile. Quantized
-// weights multiply 8-bit activations (matvec_quantize, exactly the CPU backend's quantize_activations rules:
-// BlockQ8A for Q8_0/MXFP4, Q8_K for the K and IQ2 types) with integer dot products; float weights multiply
-// f32 activations.
+// weights multiply 8-bit activations (exactly the CPU backend's quantize_activations rules: BlockQ8A for
+// Q8_0/MXFP4, Q8_K for the K and IQ2 types) with integer dot products; float weights multiply f32 activations.
+// One launch serves up to kMaxTargets products of the same input (matmul_many): the grid's x blocks are split
+// between the targets, each block working on one target's rows.
 constexpr int kMaxTileTokens = 8;
+constexpr int kMaxTargets = 8;
 
-struct MatvecArgs {
+struct MatvecTarget {
     WeightRef w;       // [K, rows·groups] or experts [K, rows, E]
     WeightRef w_up;    // glu only: the up matrix, same shape as w (gate)
     int64_t rows = 0;  // output rows of one group / one expert
-    int groups = 1;    // grouped projection: group g reads x columns [gK, (g+1)K), writes y columns [g·rows..)
+    float * y = nullptr;
+    int64_t y_stride = 0;             // floats between output rows
+    const float * add = nullptr;      // y = add + W·x when given (same layout as y)
+    int first_block = 0, blocks = 0;  // set by matvec(): the target's share of grid x
+};
+
+struct MatvecArgs {
+    MatvecTarget t[kMaxTargets];
+    int n_targets = 1;
+    int groups = 1;  // grouped projection: group g reads x columns [gK, (g+1)K), writes y columns [g·rows..)
     const float * x = nullptr;
     int64_t x_stride = 0;  // floats between activation rows
-    float * y = nullptr;
-    int64_t y_stride = 0;  // floats between output rows
-    int64_t n = 0;         // tokens (plain products)
-    // Expert products (tiles != null): tile i = {expert, first, count} over the expert-sorted pair list `pairs`
-    // (pair p = token·k + slot); the activation row of a pair is x[p / src_div] and its output row y[p].
+    // Fused activation: when x_up is given, the activation is swiglu(x, x_up, x_limit) element-wise (same layout).
+    const float * x_up = nullptr;
+    float x_limit = 0;
+    int64_t n = 0;  // tokens (plain products)
+    // Expert products (tiles != null, one target): tile i = {expert, first, count} over the expert-sorted pair
+    // list `pairs` (pair p = token·k + slot); the activation row of a pair is x[p / src_div] and its output row y[p].
     const int32_t * tiles = nullptr;
     const int32_t * n_tiles = nullptr;
     const int32_t * pairs = nullptr;
@@ -75,19 +87,26 @@ struct MatvecArgs {
     bool glu = false;  // y = swiglu(w·x, w_up·x, limit)
     float limit = 0;
     int split = 1;  // set by matvec(): warps that share one row group, each over a slice of K
-    // Quantized weights: the activations quantized by matvec_quantize (row src·groups + group).
-    const uint8_t * xq = nullptr;
+    // Quantized activations from matvec_quantize (row src·groups + group), per activation kind: [0] Q8A, [1] Q8_K.
+    // Needed only where matvec_needs_quantized() says so; otherwise each block quantizes its own token's row.
+    const uint8_t * xq[2] = {nullptr, nullptr};
 };
 // max_tiles: the grid's tile count (plain: ceil(n / tile)); tile_tokens: tokens per tile (1..kMaxTileTokens).
+// Targets of several weight types run in one launch when the kernel for that mix exists (Q8_0 with F16: the
+// dense and control matrices of the quantized files), else in one launch per type.
 void matvec(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
-// Quantized weights read their activations pre-quantized, once per product: matvec_quantize writes the n·groups
-// rows (token t, group g: x[t·x_stride + g·k ..]) into dst, matvec_act_bytes(w, k, n·groups) bytes (0 for float
-// weights, which read x directly).
+// Whether a product of this weight type over K at this tile size reads pre-quantized activations (xq), and of
+// which kind (0: Q8A, 1: Q8_K). Float weights never do; one-token tiles quantize in the block when the row fits
+// in shared memory.
+bool matvec_needs_quantized(GgmlType w, int64_t k, int tile_tokens);
+int matvec_act_kind(GgmlType w);
+// matvec_quantize writes the n·groups rows (token t, group g: x[t·x_stride + g·k ..], or swiglu of x and x_up
+// there) into dst, matvec_act_bytes(w, k, n·groups) bytes (0 for float weights).
 int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows);
-void matvec_quantize(GgmlType w, const float * x, int64_t x_stride, int64_t n, int groups, int64_t k, uint8_t * dst,
-                     cudaStream_t s);
-// The tile size matvec picks for n tokens (expert products use it to build their tiles).
-int matvec_tile_tokens(const MatvecArgs & a, int64_t n);
+void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t n,
+                     int groups, int64_t k, uint8_t * dst, cudaStream_t s);
+// The tile size matvec picks for n tokens of a product (expert products use it to build their tiles).
+int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
@@ -106,6 +125,22 @@ void rms_norm(const float * x, const float * gamma, float * y, int64_t rows, int
 // x [n, heads, width]: rotates the last n_rot channels of every head by positions[t] (or its negative).
 void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
           const int32_t * positions, bool inverse, cudaStream_t s);
+// Per head row of x [n, heads, width], in place: RMSNorm (· gamma), RoPE of the last n_rot channels by
+// positions[t], FP8 round trip of [0, fp8_dims), and a copy of token t's rows into ring slot positions[t] mod
+// ring_rows (ring [ring_rows, heads·width], when given).
+struct NormRopeArgs {
+    float * x = nullptr;
+    const float * gamma = nullptr;  // [width] or null
+    float eps = 0;
+    int64_t n = 0, heads = 0, width = 0;
+    const float * inv_freq = nullptr;
+    int n_rot = 0;
+    const int32_t * positions = nullptr;
+    int64_t fp8_dims = 0;
+    float * ring = nullptr;
+    int64_t ring_rows = 0;
+};
+void norm_rope(const NormRopeArgs & a, cudaStream_t s);
 void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s);
 void swiglu(const float * gate, const float * up, float * out, int64_t n, float limit, cudaStream_t s);
 void fp8_roundtrip(float * x, int64_t rows, int64_t width, int64_t n_dims, cudaStream_t s);
@@ -123,10 +158,11 @@ struct HcArgs {
     int iters = 0;
     float eps_hc = 0, eps_norm = 0;
     bool head = false;
-    float * y = nullptr;        // [n, D]
-    float * post = nullptr;     // [n, hc] (pre)
-    float * comb = nullptr;     // [n, hc, hc] (pre)
-    float * partial = nullptr;  // scratch: hc_partial_floats(n, hc, D, n_mix)
+    const float * norm = nullptr;  // [D]: y is RMS-normed (eps_norm) and scaled by it, when given (pre only)
+    float * y = nullptr;           // [n, D]
+    float * post = nullptr;        // [n, hc] (pre)
+    float * comb = nullptr;        // [n, hc, hc] (pre)
+    float * partial = nullptr;     // scratch: hc_partial_floats(n, hc, D, n_mix)
 };
 // Mixing weights per token (HCPre: (2+hc)·hc; head: hc); hc_mix handles up to kHcMaxMix and hc <= 16.
 constexpr int64_t kHcMaxMix = 48;

@@ -1,17 +1,22 @@
-// Matrix-vector products for every weight type, plain, grouped and per expert (MoE), and the MoE routing
-// plumbing (grouping pairs by expert, the weighted combine).
+// Matrix-vector products for every weight type, plain, grouped, several of one input in one launch
+// (matmul_many) and per expert (MoE), and the MoE routing plumbing (grouping pairs by expert, the weighted combine).
 //
-// One kernel shape serves decode and prefill. Activations are quantized once per product by a small kernel (Q8A
-// or Q8_K, bit-identical to format/quant's rules, so the integer dot products equal the CPU backend's
-// quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 8 tokens
-// (copied to shared memory; a one-token tile reads its row in place) and each warp streams two weight rows at a
-// time: every lane loads 16 payload bytes per row per step (the upload layout keeps payloads 16-byte aligned),
-// so the rows' bytes are read once per token tile. Few rows (small projections at decode) split K over the
-// warps of a row group instead.
+// One kernel shape serves decode and prefill. Quantized weights multiply 8-bit activations (Q8A or Q8_K,
+// bit-identical to format/quant's rules, so the integer dot products equal the CPU backend's
+// quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 8 tokens and
+// each warp streams two weight rows at a time: every lane loads 16 payload bytes per row per step (the upload
+// layout keeps payloads 16-byte aligned), so the rows' bytes are read once per token tile. A one-token tile
+// (decode) quantizes its activation row itself into shared memory, so a product is one launch; larger tiles
+// copy rows quantized once per product by a small kernel. Few rows (small projections at decode) split K over
+// the warps of a row group instead. Before waiting for the previous kernel (programmatic dependent launch), a
+// block of a plain product prefetches its first weight rows into L2: weights never change, so their streaming
+// overlaps the tail of whatever ran before.
 #include "backend/cuda/common.cuh"
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 namespace dsv4::cuda {
 
@@ -62,11 +67,20 @@ __host__ __device__ inline int64_t act_row_bytes(Act act, int64_t k) {
     return (k + k / 8 + (act == Act::q8k ? k / 4 : 0) + 15) / 16 * 16;  // rows stay 16-byte aligned
 }
 
+// Where a block reads its activation values: x itself, or swiglu(x, up) element-wise (the shared expert's down
+// projection takes its gate and up rows and applies the activation on the way in).
+struct ActSource {
+    const float * x;
+    const float * up;  // null: plain x
+    float limit;
+    __device__ __forceinline__ float at(int64_t i) const { return up ? swiglu_one(x[i], up[i], limit) : x[i]; }
+};
+
 // ds4's Q8A rule (quantize_q8a_scalar) for one block of 32 by one warp: d = amax/127 in f32, q = nearest-even(x/d)
 // clamped to ±127.
-__device__ void quantize_block_q8a(const float * x, int b, int k, uint8_t * row) {
+__device__ void quantize_block_q8a(const ActSource & x, int b, int k, uint8_t * row) {
     const int lane = threadIdx.x & 31;
-    const float v = x[32 * b + lane];
+    const float v = x.at(32 * b + lane);
     const float amax = warp_max(fmaxf(0.0f, fabsf(v)));
     const float d = amax / 127.0f;
     const int q = d != 0.0f ? round_clamp(v / d, -127, 127) : 0;
@@ -78,11 +92,17 @@ __device__ void quantize_block_q8a(const float * x, int b, int k, uint8_t * row)
 // ggml's Q8_K rule (quantize_q8_k_scalar) for one block of 256 by one warp: the scale comes from the signed
 // element of largest magnitude (the first one on ties), which maps to exactly -127; 16-value sums for the
 // K-quant minimum terms.
-__device__ void quantize_block_q8k(const float * x, int sb, int k, uint8_t * row) {
+__device__ void quantize_block_q8k(const ActSource & x, int sb, int k, uint8_t * row) {
     const int lane = threadIdx.x & 31;
-    const float4 * xv = reinterpret_cast<const float4 *>(x + 256 * sb + 8 * lane);
-    const float4 x0 = xv[0], x1 = xv[1];
-    const float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    float v[8];
+    if (!x.up) {
+        const float4 * xv = reinterpret_cast<const float4 *>(x.x + 256 * sb + 8 * lane);
+        const float4 x0 = xv[0], x1 = xv[1];
+        v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = x.at(256 * sb + 8 * lane + i);
+    }
     float best = 0.0f, best_v = 0.0f;
     int best_i = INT_MAX;
 #pragma unroll
@@ -130,21 +150,66 @@ __device__ void quantize_block_q8k(const float * x, int sb, int k, uint8_t * row
     if (lane < 8) reinterpret_cast<float *>(row + k)[8 * sb + lane] = d;
 }
 
+// The Q8A rule for four blocks of 32 at once by one warp (eight lanes per block, four values per lane: the max
+// is exact in any order, so the codes equal quantize_block_q8a's); blocks b0..b0+3 below per_row.
+__device__ __forceinline__ void quantize_4blocks_q8a(const ActSource & x, int b0, int per_row, int k, uint8_t * row) {
+    const int lane = threadIdx.x & 31;
+    const int b = b0 + lane / 8, e = 32 * b + 4 * (lane & 7);
+    const bool valid = b < per_row;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (valid) {
+        if (!x.up && reinterpret_cast<uintptr_t>(x.x) % 16 == 0) {
+            const float4 f = *reinterpret_cast<const float4 *>(x.x + e);
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = x.at(e + i);
+        }
+    }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
+    const float d = amax / 127.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int q = d != 0.0f ? round_clamp(v[i] / d, -127, 127) : 0;
+        packed |= uint32_t(q & 255) << (8 * i);
+    }
+    if (valid) {
+        *reinterpret_cast<uint32_t *>(row + 16 * swz(e >> 4) + (e & 15)) = packed;
+        if ((lane & 7) == 0) reinterpret_cast<float *>(row + k)[b] = d;
+    }
+}
+
+// One (token, group) activation row quantized by the calling block's warps into row (act_row_bytes(A, k)).
+template <Act A>
+__device__ __forceinline__ void quantize_row(const ActSource & x, int k, uint8_t * row) {
+    const int warp = int(threadIdx.x >> 5), warps = int(blockDim.x >> 5);
+    if constexpr (A == Act::q8a) {
+        for (int b = 4 * warp; b < k / 32; b += 4 * warps) quantize_4blocks_q8a(x, b, k / 32, k, row);
+    } else {
+        for (int b = warp; b < k / 256; b += warps) quantize_block_q8k(x, b, k, row);
+    }
+}
+
 // One warp per block of one (token, group) row.
 template <Act A>
-__global__ void quantize_rows_kernel(const float * x, int64_t x_stride, int64_t rows, int groups, int k,
-                                     uint8_t * dst) {
+__global__ void quantize_rows_kernel(const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t rows,
+                                     int groups, int k, uint8_t * dst) {
+    pdl_begin();
     const int per_row = A == Act::q8a ? k / 32 : k / 256;
     const int64_t blk = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
     if (blk >= rows * per_row) return;
     const int64_t r = blk / per_row;
     const int b = int(blk % per_row);
-    const float * xr = x + (r / groups) * x_stride + (r % groups) * k;
+    const int64_t off = (r / groups) * x_stride + (r % groups) * k;
+    const ActSource src{x + off, x_up ? x_up + off : nullptr, x_limit};
     uint8_t * row = dst + r * act_row_bytes(A, k);
     if constexpr (A == Act::q8a)
-        quantize_block_q8a(xr, b, k, row);
+        quantize_block_q8a(src, b, k, row);
     else
-        quantize_block_q8k(xr, b, k, row);
+        quantize_block_q8k(src, b, k, row);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -164,6 +229,8 @@ __device__ __forceinline__ int dp4(int4 w, int4 a, int s) {
 }
 
 struct Q8_0Unit {
+    static constexpr GgmlType kType = GgmlType::Q8_0;
+    static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8a;
     static constexpr int kUnitElems = 16;
     int4 q;
@@ -180,6 +247,8 @@ struct Q8_0Unit {
 };
 
 struct Mxfp4Unit {
+    static constexpr GgmlType kType = GgmlType::MXFP4;
+    static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8a;
     static constexpr int kUnitElems = 32;
     int4 q;
@@ -215,6 +284,8 @@ struct Mxfp4Unit {
 };
 
 struct Iq2XxsUnit {
+    static constexpr GgmlType kType = GgmlType::IQ2_XXS;
+    static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8k;
     static constexpr int kUnitElems = 64;  // two 32-value sub-blocks: (grid indices, signs + scale) twice
     int4 q;
@@ -249,6 +320,8 @@ struct Iq2XxsUnit {
 };
 
 struct Q2_KUnit {
+    static constexpr GgmlType kType = GgmlType::Q2_K;
+    static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8k;
     static constexpr int kUnitElems = 64;  // 16 code bytes: 4 groups of 16 values at stride 32
     int4 q;
@@ -287,6 +360,8 @@ struct Q2_KUnit {
 };
 
 struct Q4_KUnit {
+    static constexpr GgmlType kType = GgmlType::Q4_K;
+    static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8k;
     static constexpr int kUnitElems = 32;  // 16 code bytes: 16 values of two sub-blocks (low and high nibbles)
     int4 hdr;                              // d, dmin, 12 scale bytes
@@ -337,6 +412,49 @@ struct Q4_KUnit {
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
+// Float weights: a "unit" tag (their rows multiply f32 activations read straight from global memory; L1 keeps a
+// tile's rows). VEC: 16-byte loads (rows, activation rows and group offsets keep 16-byte alignment).
+// ---------------------------------------------------------------------------------------------------------------------
+template <GgmlType T, bool VEC>
+struct FloatUnit {
+    static constexpr GgmlType kType = T;
+    static constexpr bool kFloat = true;
+    static constexpr bool kVec = VEC;
+};
+
+template <GgmlType T>
+__device__ __forceinline__ float load_float(const uint8_t * base, int64_t i) {
+    if constexpr (T == GgmlType::F32)
+        return __ldg(reinterpret_cast<const float *>(base) + i);
+    else if constexpr (T == GgmlType::F16)
+        return f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
+    else
+        return bf16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
+}
+
+template <GgmlType T>
+__device__ __forceinline__ void unpack16(int4 v, float (&f)[16 / (T == GgmlType::F32 ? 4 : 2)]) {
+    if constexpr (T == GgmlType::F32) {
+        f[0] = __int_as_float(v.x);
+        f[1] = __int_as_float(v.y);
+        f[2] = __int_as_float(v.z);
+        f[3] = __int_as_float(v.w);
+    } else {
+        const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if constexpr (T == GgmlType::F16) {
+                f[2 * j] = f16_bits_to_f32(uint16_t(w[j]));
+                f[2 * j + 1] = f16_bits_to_f32(uint16_t(w[j] >> 16));
+            } else {
+                f[2 * j] = bf16_bits_to_f32(uint16_t(w[j]));
+                f[2 * j + 1] = bf16_bits_to_f32(uint16_t(w[j] >> 16));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // The kernels
 // ---------------------------------------------------------------------------------------------------------------------
 // Token tile of this block: activation rows, output rows and the weight row offset (expert / group).
@@ -349,38 +467,39 @@ struct Tile {
 };
 
 template <int NT>
-__device__ __forceinline__ bool load_tile(const MatvecArgs & a, Tile<NT> & t) {
+__device__ __forceinline__ bool load_tile(const MatvecArgs & a, const MatvecTarget & t, Tile<NT> & tile) {
     if (a.tiles) {
         if (int(blockIdx.y) >= *a.n_tiles) return false;
         const int32_t * tl = a.tiles + 3 * blockIdx.y;
-        t.n_tok = tl[2];
-        t.row_off = int64_t(tl[0]) * a.rows;
+        tile.n_tok = tl[2];
+        tile.row_off = int64_t(tl[0]) * t.rows;
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
-            const int64_t p = i < t.n_tok ? a.pairs[tl[1] + i] : 0;
-            t.src[i] = p / a.src_div;
-            t.dst[i] = p;
+            const int64_t p = i < tile.n_tok ? a.pairs[tl[1] + i] : 0;
+            tile.src[i] = p / a.src_div;
+            tile.dst[i] = p;
         }
     } else {
         const int64_t t0 = int64_t(blockIdx.y) * NT;
-        t.n_tok = int(min(int64_t(NT), a.n - t0));
+        tile.n_tok = int(min(int64_t(NT), a.n - t0));
 #pragma unroll
-        for (int i = 0; i < NT; ++i) t.src[i] = t.dst[i] = t0 + i;
+        for (int i = 0; i < NT; ++i) tile.src[i] = tile.dst[i] = t0 + i;
     }
-    t.row_off += int64_t(blockIdx.z) * a.rows;
-    return t.n_tok > 0;
+    tile.row_off += int64_t(blockIdx.z) * t.rows;
+    return tile.n_tok > 0;
 }
 
 // Reduces each row's partial sums over the lanes and, when a.split warps share a row group (split K), over those
-// warps in a fixed order; stores (or applies SwiGLU to gate and up first). Every warp of the block must call it.
+// warps in a fixed order; stores (after SwiGLU of gate and up, or plus the addend). Every warp of the block must
+// call it.
 template <int NT, bool GLU>
-__device__ __forceinline__ void store_rows(const MatvecArgs & a, const Tile<NT> & t, int64_t row0,
-                                           float (&acc)[GLU ? 2 : 1][kRowsPerWarp][NT]) {
+__device__ __forceinline__ void store_rows(const MatvecArgs & a, const MatvecTarget & t, const Tile<NT> & tile,
+                                           int64_t row0, float (&acc)[GLU ? 2 : 1][kRowsPerWarp][NT]) {
     constexpr int kM = GLU ? 2 : 1;
     __shared__ float red[kWarps][kM][kRowsPerWarp][NT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = a.split, slice = warp % split;
-    const int64_t ycol = int64_t(blockIdx.z) * a.rows;
+    const int64_t ycol = int64_t(blockIdx.z) * t.rows;
 #pragma unroll
     for (int m = 0; m < kM; ++m)
 #pragma unroll
@@ -416,16 +535,17 @@ __device__ __forceinline__ void store_rows(const MatvecArgs & a, const Tile<NT> 
         for (int i = 0; i < NT; ++i) {
             float v = acc[0][r][i];
             if constexpr (GLU) v = swiglu_one(v, acc[1][r][i], a.limit);
-            if (lane == 0 && i < t.n_tok && row0 + r < a.rows) a.y[t.dst[i] * a.y_stride + ycol + row0 + r] = v;
+            if (lane == 0 && i < tile.n_tok && row0 + r < t.rows) {
+                const int64_t at = tile.dst[i] * t.y_stride + ycol + row0 + r;
+                t.y[at] = t.add ? t.add[at] + v : v;
+            }
         }
 }
 
 template <class U, int NT, bool GLU>
-__global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    Tile<NT> tile;
-    if (!load_tile(a, tile)) return;
-    const int k = int(a.w.ne0);
+__device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTarget & t, const Tile<NT> & tile, int bx,
+                                           uint8_t * smem) {
+    const int k = int(t.w.ne0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
     // Shared memory: [IQ2 tables] codes, scales, sums.
@@ -434,15 +554,23 @@ __global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
     if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
         uint64_t * grid = reinterpret_cast<uint64_t *>(p);
         uint64_t * mask = grid + 256;
-        for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = a.w.iq2->grid[i];
-        for (int i = threadIdx.x; i < 128; i += kThreads) mask[i] = a.w.iq2->sign_mask[i];
+        for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = t.w.iq2->grid[i];
+        for (int i = threadIdx.x; i < 128; i += kThreads) mask[i] = t.w.iq2->sign_mask[i];
         tab = {grid, mask};
         p += 384 * sizeof(uint64_t);
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);
+    const uint8_t * xq = a.xq[int(U::kAct)];
     if constexpr (NT == 1) {
-        const uint8_t * row = a.xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
+        const uint8_t * row;
+        if (xq) {
+            row = xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
+        } else {
+            const int64_t off = tile.src[0] * a.x_stride + int64_t(blockIdx.z) * k;
+            quantize_row<U::kAct>(ActSource{a.x + off, a.x_up ? a.x_up + off : nullptr, a.x_limit}, k, p);
+            row = p;
+        }
         act.q = const_cast<int8_t *>(reinterpret_cast<const int8_t *>(row));
         act.d = const_cast<float *>(reinterpret_cast<const float *>(row + k));
         act.bsum = const_cast<int *>(reinterpret_cast<const int *>(row + k + k / 8));
@@ -451,7 +579,7 @@ __global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
         act.d = reinterpret_cast<float *>(p + size_t(NT) * k);
         act.bsum = reinterpret_cast<int *>(p + size_t(NT) * k + size_t(NT) * (k / 32) * 4);
         for (int i = 0; i < tile.n_tok; ++i) {
-            const uint8_t * row = a.xq + (tile.src[i] * a.groups + blockIdx.z) * arb;
+            const uint8_t * row = xq + (tile.src[i] * a.groups + blockIdx.z) * arb;
             for (int j = threadIdx.x; j < k / 16; j += kThreads)
                 reinterpret_cast<int4 *>(act.q + size_t(i) * k)[j] = reinterpret_cast<const int4 *>(row)[j];
             for (int j = threadIdx.x; j < k / 32; j += kThreads)
@@ -466,7 +594,7 @@ __global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
     const int units = k / U::kUnitElems;
     const int split = a.split, slice = warp % split;
     const int64_t rows_per_block = int64_t(kWarps / split) * kRowsPerWarp;
-    for (int64_t rb = blockIdx.x; rb * rows_per_block < a.rows; rb += gridDim.x) {
+    for (int64_t rb = bx; rb * rows_per_block < t.rows; rb += t.blocks) {
         const int64_t row0 = rb * rows_per_block + int64_t(warp / split) * kRowsPerWarp;
         float acc[GLU ? 2 : 1][kRowsPerWarp][NT];
 #pragma unroll
@@ -480,9 +608,9 @@ __global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
             U wu[GLU ? 2 : 1][kRowsPerWarp];
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; ++r) {
-                const int64_t row = tile.row_off + min(row0 + r, a.rows - 1);
-                wu[0][r].load(a.w, row, u, k);
-                if constexpr (GLU) wu[1][r].load(a.w_up, row, u, k);
+                const int64_t row = tile.row_off + min(row0 + r, t.rows - 1);
+                wu[0][r].load(t.w, row, u, k);
+                if constexpr (GLU) wu[1][r].load(t.w_up, row, u, k);
             }
 #pragma unroll
             for (int i = 0; i < NT; ++i) {
@@ -493,57 +621,40 @@ __global__ void __launch_bounds__(kThreads) matvec_quant(const MatvecArgs a) {
                     for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(u, act, i, k, tab);
             }
         }
-        store_rows<NT, GLU>(a, tile, row0, acc);
+        store_rows<NT, GLU>(a, t, tile, row0, acc);
     }
 }
 
-// Float weights with f32 activations read straight from global memory (L1 keeps a tile's rows).
-template <GgmlType T>
-__device__ __forceinline__ float load_float(const uint8_t * base, int64_t i) {
-    if constexpr (T == GgmlType::F32)
-        return __ldg(reinterpret_cast<const float *>(base) + i);
-    else if constexpr (T == GgmlType::F16)
-        return f16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
-    else
-        return bf16_bits_to_f32(__ldg(reinterpret_cast<const unsigned short *>(base) + i));
-}
-
-template <GgmlType T>
-__device__ __forceinline__ void unpack16(int4 v, float (&f)[16 / (T == GgmlType::F32 ? 4 : 2)]) {
-    if constexpr (T == GgmlType::F32) {
-        f[0] = __int_as_float(v.x);
-        f[1] = __int_as_float(v.y);
-        f[2] = __int_as_float(v.z);
-        f[3] = __int_as_float(v.w);
-    } else {
-        const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if constexpr (T == GgmlType::F16) {
-                f[2 * j] = f16_bits_to_f32(uint16_t(w[j]));
-                f[2 * j + 1] = f16_bits_to_f32(uint16_t(w[j] >> 16));
-            } else {
-                f[2 * j] = bf16_bits_to_f32(uint16_t(w[j]));
-                f[2 * j + 1] = bf16_bits_to_f32(uint16_t(w[j] >> 16));
-            }
-        }
+// Four activation values starting at i (16-byte aligned), through the fused SwiGLU when x_up is given.
+__device__ __forceinline__ float4 load_act4(const float * x, const float * up, float limit, int64_t i) {
+    float4 f = __ldg(reinterpret_cast<const float4 *>(x + i));
+    if (up) {
+        const float4 g = __ldg(reinterpret_cast<const float4 *>(up + i));
+        f = make_float4(swiglu_one(f.x, g.x, limit), swiglu_one(f.y, g.y, limit), swiglu_one(f.z, g.z, limit),
+                        swiglu_one(f.w, g.w, limit));
     }
+    return f;
 }
 
-template <GgmlType T, int NT, bool GLU, bool VEC>
-__global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
-    Tile<NT> tile;
-    if (!load_tile(a, tile)) return;
-    const int64_t k = a.w.ne0;
+template <class U, int NT, bool GLU>
+__device__ __forceinline__ void float_rows(const MatvecArgs & a, const MatvecTarget & t, const Tile<NT> & tile,
+                                           int bx) {
+    constexpr GgmlType T = U::kType;
+    const int64_t k = t.w.ne0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     constexpr int kEsz = T == GgmlType::F32 ? 4 : 2;
     constexpr int kEpu = 16 / kEsz;
     const float * xr[NT];
+    const float * ur[NT];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) xr[i] = a.x + tile.src[i] * a.x_stride + int64_t(blockIdx.z) * k;
+    for (int i = 0; i < NT; ++i) {
+        const int64_t off = tile.src[i] * a.x_stride + int64_t(blockIdx.z) * k;
+        xr[i] = a.x + off;
+        ur[i] = a.x_up ? a.x_up + off : nullptr;
+    }
     const int split = a.split, slice = warp % split;
     const int64_t rows_per_block = int64_t(kWarps / split) * kRowsPerWarp;
-    for (int64_t rb = blockIdx.x; rb * rows_per_block < a.rows; rb += gridDim.x) {
+    for (int64_t rb = bx; rb * rows_per_block < t.rows; rb += t.blocks) {
         const int64_t row0 = rb * rows_per_block + int64_t(warp / split) * kRowsPerWarp;
         float acc[GLU ? 2 : 1][kRowsPerWarp][NT];
 #pragma unroll
@@ -555,11 +666,11 @@ __global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
         const uint8_t * wr[GLU ? 2 : 1][kRowsPerWarp];
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) {
-            const int64_t row = tile.row_off + min(row0 + r, a.rows - 1);
-            wr[0][r] = a.w.data + row * k * kEsz;
-            if constexpr (GLU) wr[1][r] = a.w_up.data + row * k * kEsz;
+            const int64_t row = tile.row_off + min(row0 + r, t.rows - 1);
+            wr[0][r] = t.w.data + row * k * kEsz;
+            if constexpr (GLU) wr[1][r] = t.w_up.data + row * k * kEsz;
         }
-        if constexpr (VEC) {
+        if constexpr (U::kVec) {
 #pragma unroll 2
             for (int64_t u = lane + 32 * slice; u < k / kEpu; u += 32 * split) {
                 float wf[GLU ? 2 : 1][kRowsPerWarp][kEpu];
@@ -573,7 +684,7 @@ __global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
                     float xv[kEpu];
 #pragma unroll
                     for (int j = 0; j < kEpu; j += 4) {
-                        const float4 f = __ldg(reinterpret_cast<const float4 *>(xr[i] + u * kEpu + j));
+                        const float4 f = load_act4(xr[i], ur[i], a.x_limit, u * kEpu + j);
                         xv[j] = f.x;
                         xv[j + 1] = f.y;
                         xv[j + 2] = f.z;
@@ -592,7 +703,7 @@ __global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
 #pragma unroll
                 for (int i = 0; i < NT; ++i) {
                     if (i >= tile.n_tok) break;
-                    const float xv = xr[i][c];
+                    const float xv = ActSource{xr[i], ur[i], a.x_limit}.at(c);
 #pragma unroll
                     for (int m = 0; m < (GLU ? 2 : 1); ++m)
 #pragma unroll
@@ -600,8 +711,81 @@ __global__ void __launch_bounds__(kThreads) matvec_float(const MatvecArgs a) {
                 }
             }
         }
-        store_rows<NT, GLU>(a, tile, row0, acc);
+        store_rows<NT, GLU>(a, t, tile, row0, acc);
     }
+}
+
+// L2 prefetch of rows [row, row + count) of a weight (at most kPrefetchBytes per array, so that a large
+// product's first wave does not push its own later rows out).
+constexpr int64_t kPrefetchBytes = 32 * 1024;
+
+__device__ void prefetch_weight_rows(const WeightRef & w, int64_t row, int64_t count) {
+    int be = 0, pb = 0, sb = 0;  // block elements, payload and scale bytes of the split layouts
+    switch (w.type) {
+        case GgmlType::Q8_0:
+            be = 32, pb = 32, sb = 2;
+            break;
+        case GgmlType::MXFP4:
+            be = 32, pb = 16, sb = 1;
+            break;
+        case GgmlType::IQ2_XXS:
+            be = 256, pb = 64, sb = 2;
+            break;
+        case GgmlType::Q2_K:
+            be = 256, pb = 80, sb = 4;
+            break;
+        case GgmlType::Q4_K: {
+            const int64_t rb = w.ne0 / 256 * 144;
+            prefetch_l2(w.data + row * rb, min(count * rb, kPrefetchBytes));
+            return;
+        }
+        case GgmlType::F32:
+        case GgmlType::F16:
+        case GgmlType::BF16: {
+            const int64_t rb = w.ne0 * (w.type == GgmlType::F32 ? 4 : 2);
+            prefetch_l2(w.data + row * rb, min(count * rb, kPrefetchBytes));
+            return;
+        }
+        default:
+            return;
+    }
+    const int64_t bpr = w.ne0 / be;
+    prefetch_l2(w.data + row * bpr * pb, min(count * bpr * pb, kPrefetchBytes));
+    prefetch_l2(w.data + w.n_blocks * pb + row * bpr * sb, min(count * bpr * sb, kPrefetchBytes));
+}
+
+// One launch over up to kMaxTargets targets; Us are the weight kinds it is compiled for (one, or the Q8_0 + F16
+// mix of matmul_many); each block runs the kind of its target.
+template <int NT, bool GLU, class... Us>
+__global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    MatvecTarget t = a.t[0];
+#pragma unroll
+    for (int i = 1; i < kMaxTargets; ++i)
+        if (i < a.n_targets && int(blockIdx.x) >= a.t[i].first_block) t = a.t[i];
+    const int bx = int(blockIdx.x) - t.first_block;
+    // Expert tiles come from the previous kernel; a plain product's rows are known before it ends.
+    if (!a.tiles) {
+        const int64_t rows_per_block = int64_t(kWarps / a.split) * kRowsPerWarp, row0 = int64_t(bx) * rows_per_block;
+        if (row0 < t.rows) {
+            const int64_t first = int64_t(blockIdx.z) * t.rows + row0, count = min(rows_per_block, t.rows - row0);
+            prefetch_weight_rows(t.w, first, count);
+            if (GLU) prefetch_weight_rows(t.w_up, first, count);
+        }
+    }
+    pdl_begin();
+    Tile<NT> tile;
+    if (!load_tile(a, t, tile)) return;
+    auto run = [&](auto unit) {
+        using U = decltype(unit);
+        if (t.w.type != U::kType) return false;
+        if constexpr (U::kFloat)
+            float_rows<U, NT, GLU>(a, t, tile, bx);
+        else
+            quant_rows<U, NT, GLU>(a, t, tile, bx, smem);
+        return true;
+    };
+    (run(Us{}) || ...);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -611,60 +795,116 @@ bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t
 
 Act act_of(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::MXFP4 ? Act::q8a : Act::q8k; }
 
-size_t quant_smem(GgmlType t, int nt, int64_t k) {
-    return (nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0) + (t == GgmlType::IQ2_XXS ? 384 * sizeof(uint64_t) : 0);
+// Shared memory of a block that multiplies weights of type t: the IQ2 tables, and the activation tile (several
+// tokens) or the one row it quantizes itself.
+constexpr size_t kInBlockActSmem = 40 * 1024;
+
+size_t tables_smem(GgmlType t) { return t == GgmlType::IQ2_XXS ? 384 * sizeof(uint64_t) : 0; }
+
+size_t quant_smem(GgmlType t, int nt, int64_t k, bool in_block) {
+    if (is_float(t)) return 0;
+    const size_t act = nt > 1 ? act_smem_bytes(act_of(t), nt, k) : in_block ? size_t(act_row_bytes(act_of(t), k)) : 0;
+    return tables_smem(t) + act;
 }
 
-template <class Kernel>
-void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t s, const MatvecArgs & a) {
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    kernel<<<grid, kThreads, smem, s>>>(a);
+template <int NT, bool GLU, class... Us>
+void launch_kernel(const MatvecArgs & a, dim3 grid, size_t smem, cudaStream_t s) {
+    launch(matvec_kernel<NT, GLU, Us...>, grid, dim3(kThreads), smem, s, a);
 }
+
+using F16Vec = FloatUnit<GgmlType::F16, true>;
 
 template <int NT, bool GLU>
-void launch_nt(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
-    const int64_t k = a.w.ne0;
-    const size_t smem = quant_smem(a.w.type, NT, k);
-    switch (a.w.type) {
+void launch_type(const MatvecArgs & a, GgmlType type, bool vec, bool mixed, dim3 grid, size_t smem, cudaStream_t s) {
+    if constexpr (!GLU)
+        if (mixed) return launch_kernel<NT, false, Q8_0Unit, F16Vec>(a, grid, smem, s);
+    switch (type) {
         case GgmlType::Q8_0:
-            return launch(matvec_quant<Q8_0Unit, NT, GLU>, grid, smem, s, a);
+            return launch_kernel<NT, GLU, Q8_0Unit>(a, grid, smem, s);
         case GgmlType::MXFP4:
-            return launch(matvec_quant<Mxfp4Unit, NT, GLU>, grid, smem, s, a);
+            return launch_kernel<NT, GLU, Mxfp4Unit>(a, grid, smem, s);
         case GgmlType::IQ2_XXS:
-            return launch(matvec_quant<Iq2XxsUnit, NT, GLU>, grid, smem, s, a);
+            return launch_kernel<NT, GLU, Iq2XxsUnit>(a, grid, smem, s);
         case GgmlType::Q2_K:
-            return launch(matvec_quant<Q2_KUnit, NT, GLU>, grid, smem, s, a);
+            return launch_kernel<NT, GLU, Q2_KUnit>(a, grid, smem, s);
         case GgmlType::Q4_K:
-            return launch(matvec_quant<Q4_KUnit, NT, GLU>, grid, smem, s, a);
-        default:
-            break;
-    }
-    // Float weights: 16-byte loads when rows, activation rows and group offsets keep 16-byte alignment.
-    const int esz = a.w.type == GgmlType::F32 ? 4 : 2;
-    const bool vec = k % (16 / esz) == 0 && k % 4 == 0 && a.x_stride % 4 == 0 &&
-                     reinterpret_cast<uintptr_t>(a.x) % 16 == 0 && reinterpret_cast<uintptr_t>(a.w.data) % 16 == 0 &&
-                     (!a.glu || reinterpret_cast<uintptr_t>(a.w_up.data) % 16 == 0);
-    switch (a.w.type) {
+            return launch_kernel<NT, GLU, Q4_KUnit>(a, grid, smem, s);
         case GgmlType::F32:
-            return vec ? launch(matvec_float<GgmlType::F32, NT, GLU, true>, grid, 0, s, a)
-                       : launch(matvec_float<GgmlType::F32, NT, GLU, false>, grid, 0, s, a);
+            return vec ? launch_kernel<NT, GLU, FloatUnit<GgmlType::F32, true>>(a, grid, smem, s)
+                       : launch_kernel<NT, GLU, FloatUnit<GgmlType::F32, false>>(a, grid, smem, s);
         case GgmlType::F16:
-            return vec ? launch(matvec_float<GgmlType::F16, NT, GLU, true>, grid, 0, s, a)
-                       : launch(matvec_float<GgmlType::F16, NT, GLU, false>, grid, 0, s, a);
+            return vec ? launch_kernel<NT, GLU, F16Vec>(a, grid, smem, s)
+                       : launch_kernel<NT, GLU, FloatUnit<GgmlType::F16, false>>(a, grid, smem, s);
         case GgmlType::BF16:
-            return vec ? launch(matvec_float<GgmlType::BF16, NT, GLU, true>, grid, 0, s, a)
-                       : launch(matvec_float<GgmlType::BF16, NT, GLU, false>, grid, 0, s, a);
+            return vec ? launch_kernel<NT, GLU, FloatUnit<GgmlType::BF16, true>>(a, grid, smem, s)
+                       : launch_kernel<NT, GLU, FloatUnit<GgmlType::BF16, false>>(a, grid, smem, s);
         default:
             return;
     }
 }
 
 template <int NT>
-void launch_glu(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+void launch_nt(const MatvecArgs & a, GgmlType type, bool vec, bool mixed, dim3 grid, size_t smem, cudaStream_t s) {
     if (a.glu)
-        launch_nt<NT, true>(a, grid, s);
+        launch_type<NT, true>(a, type, vec, mixed, grid, smem, s);
     else
-        launch_nt<NT, false>(a, grid, s);
+        launch_type<NT, false>(a, type, vec, mixed, grid, smem, s);
+}
+
+// Float targets load 16 bytes at once when rows, activation rows and group offsets keep 16-byte alignment.
+bool float_vec_ok(const MatvecArgs & a, const MatvecTarget & t) {
+    const int64_t k = t.w.ne0;
+    const int esz = t.w.type == GgmlType::F32 ? 4 : 2;
+    auto aligned = [](const void * p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    return k % (16 / esz) == 0 && k % 4 == 0 && a.x_stride % 4 == 0 && aligned(a.x) && (!a.x_up || aligned(a.x_up)) &&
+           aligned(t.w.data) && (!a.glu || aligned(t.w_up.data));
+}
+
+// One launch over a.t[0, n_targets) (one weight type, or the Q8_0 + F16 mix).
+void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_t s) {
+    // Few rows (small projections at decode): warps share row groups, each taking a slice of K, until the
+    // launch has about two blocks per multiprocessor.
+    const int64_t sms = device_sms();
+    auto row_blocks = [&](int64_t rows, int split) {
+        const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
+        return (rows + per_block - 1) / per_block;
+    };
+    auto total_blocks = [&](int split) {
+        int64_t b = 0;
+        for (int i = 0; i < a.n_targets; ++i) b += row_blocks(a.t[i].rows, split);
+        return b;
+    };
+    a.split = 1;
+    while (a.split < kWarps && total_blocks(a.split) * max_tiles * a.groups < 2 * sms) a.split *= 2;
+    // Enough blocks to fill the GPU a few times over; each block loops over its rows, so its activation tile is
+    // quantized once for many rows.
+    const int64_t per_tile = std::max<int64_t>(1, sms * 8 / (max_tiles * a.groups));
+    int first = 0;
+    bool vec = true;
+    size_t smem = 0;
+    for (int i = 0; i < a.n_targets; ++i) {
+        MatvecTarget & t = a.t[i];
+        t.first_block = first;
+        t.blocks = int(std::max<int64_t>(1, std::min(row_blocks(t.rows, a.split), per_tile)));
+        first += t.blocks;
+        if (is_float(t.w.type)) {
+            vec = vec && float_vec_ok(a, t);
+        } else {
+            smem = std::max(smem, quant_smem(t.w.type, nt, t.w.ne0, !a.xq[int(act_of(t.w.type))]));
+        }
+    }
+    const GgmlType type = a.t[0].w.type;
+    const dim3 grid(unsigned(first), unsigned(max_tiles), unsigned(a.groups));
+    switch (nt) {
+        case 1:
+            return launch_nt<1>(a, type, vec, mixed, grid, smem, s);
+        case 2:
+            return launch_nt<2>(a, type, vec, mixed, grid, smem, s);
+        case 4:
+            return launch_nt<4>(a, type, vec, mixed, grid, smem, s);
+        default:
+            return launch_nt<8>(a, type, vec, mixed, grid, smem, s);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -694,6 +934,7 @@ __device__ int warp_exclusive_scan(int * v, int n) {
 
 __global__ void moe_plan_kernel(const int32_t * experts, int n_pairs, int n_expert, int nt, int32_t * pairs,
                                 int32_t * tiles, int32_t * n_tiles) {
+    pdl_begin();
     extern __shared__ int sm[];
     int * cnt = sm;                  // [E] pairs per expert
     int * off = sm + n_expert;       // [E] first sorted slot
@@ -733,6 +974,7 @@ __global__ void moe_plan_kernel(const int32_t * experts, int n_pairs, int n_expe
 
 __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int k,
                                    int n_expert, int64_t width, float * out) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * width) return;
     const int64_t t = i / width, c = i % width;
@@ -746,69 +988,80 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, 
 
 }  // namespace
 
+bool matvec_needs_quantized(GgmlType w, int64_t k, int tile_tokens) {
+    // DSV4_CUDA_BLOCK_QUANT=0: one-token products quantize through the separate kernel too (for comparisons).
+    static const bool in_block = [] {
+        const char * e = std::getenv("DSV4_CUDA_BLOCK_QUANT");
+        return !e || std::strcmp(e, "0") != 0;
+    }();
+    return !is_float(w) && (tile_tokens > 1 || !in_block || quant_smem(w, 1, k, true) > kInBlockActSmem);
+}
+
+int matvec_act_kind(GgmlType w) { return int(act_of(w)); }
+
 int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows) {
     return is_float(w) ? 0 : rows * act_row_bytes(act_of(w), k);
 }
 
-void matvec_quantize(GgmlType w, const float * x, int64_t x_stride, int64_t n, int groups, int64_t k, uint8_t * dst,
-                     cudaStream_t s) {
+void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t n,
+                     int groups, int64_t k, uint8_t * dst, cudaStream_t s) {
     if (is_float(w) || n <= 0) return;
     const Act act = act_of(w);
     const int64_t blocks = n * groups * (act == Act::q8a ? k / 32 : k / 256);
-    const unsigned grid = unsigned((blocks + kWarps - 1) / kWarps);
+    const dim3 grid(unsigned((blocks + kWarps - 1) / kWarps));
     if (act == Act::q8a)
-        quantize_rows_kernel<Act::q8a><<<grid, kThreads, 0, s>>>(x, x_stride, n * groups, groups, int(k), dst);
+        launch(quantize_rows_kernel<Act::q8a>, grid, dim3(kThreads), 0, s, x, x_up, x_limit, x_stride, n * groups,
+               groups, int(k), dst);
     else
-        quantize_rows_kernel<Act::q8k><<<grid, kThreads, 0, s>>>(x, x_stride, n * groups, groups, int(k), dst);
+        launch(quantize_rows_kernel<Act::q8k>, grid, dim3(kThreads), 0, s, x, x_up, x_limit, x_stride, n * groups,
+               groups, int(k), dst);
 }
 
-int matvec_tile_tokens(const MatvecArgs & a, int64_t n) {
+int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
     int nt = n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
-    if (!is_float(a.w.type))
-        while (nt > 1 && quant_smem(a.w.type, nt, a.w.ne0) > kMaxActSmem) nt /= 2;
+    if (!is_float(w))
+        while (nt > 1 && quant_smem(w, nt, k, false) > kMaxActSmem) nt /= 2;
     return nt;
 }
 
 void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) {
-    if (max_tiles <= 0 || args.rows <= 0) return;
-    MatvecArgs a = args;
-    // Few rows (a small projection at decode): warps share row groups, each taking a slice of K, until the
-    // launch has about two blocks per multiprocessor.
-    const int64_t sms = device_sms();
-    auto row_blocks = [&](int split) {
-        const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
-        return (a.rows + per_block - 1) / per_block;
-    };
-    a.split = 1;
-    while (a.split < kWarps && row_blocks(a.split) * max_tiles * a.groups < 2 * sms) a.split *= 2;
-    // Enough blocks to fill the GPU a few times over; each block loops over its rows, so its activation tile is
-    // quantized once for many rows.
-    const int64_t per_tile = std::max<int64_t>(1, sms * 8 / (max_tiles * a.groups));
-    const dim3 grid(unsigned(std::min(row_blocks(a.split), per_tile)), unsigned(max_tiles), unsigned(a.groups));
-    switch (nt) {
-        case 1:
-            return launch_glu<1>(a, grid, s);
-        case 2:
-            return launch_glu<2>(a, grid, s);
-        case 4:
-            return launch_glu<4>(a, grid, s);
-        default:
-            return launch_glu<8>(a, grid, s);
+    if (max_tiles <= 0 || args.n_targets <= 0) return;
+    // One launch when every target has one type, or for the quantized files' Q8_0 + F16 mix (float rows then
+    // need 16-byte loads); otherwise one launch per type.
+    bool one_type = true, mix = !args.glu, has_q8 = false, has_f16 = false;
+    for (int i = 0; i < args.n_targets; ++i) {
+        const GgmlType t = args.t[i].w.type;
+        one_type = one_type && t == args.t[0].w.type;
+        has_q8 = has_q8 || t == GgmlType::Q8_0;
+        has_f16 = has_f16 || t == GgmlType::F16;
+        mix = mix && (t == GgmlType::Q8_0 || (t == GgmlType::F16 && float_vec_ok(args, args.t[i])));
+    }
+    if (one_type) return launch_set(args, max_tiles, nt, false, s);
+    if (mix && has_q8 && has_f16) return launch_set(args, max_tiles, nt, true, s);
+    for (int i = 0; i < args.n_targets; ++i) {
+        bool seen = false;
+        for (int j = 0; j < i; ++j) seen = seen || args.t[j].w.type == args.t[i].w.type;
+        if (seen) continue;
+        MatvecArgs sub = args;
+        sub.n_targets = 0;
+        for (int j = i; j < args.n_targets; ++j)
+            if (args.t[j].w.type == args.t[i].w.type) sub.t[sub.n_targets++] = args.t[j];
+        launch_set(sub, max_tiles, nt, false, s);
     }
 }
 
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
               int32_t * tiles, int32_t * n_tiles, cudaStream_t s) {
     const size_t smem = size_t(4 * n_expert) * sizeof(int);
-    if (smem > 48 * 1024) cudaFuncSetAttribute(moe_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    moe_plan_kernel<<<1, 1024, smem, s>>>(experts, int(n_pairs), int(n_expert), tile_tokens, pairs, tiles, n_tiles);
+    launch(moe_plan_kernel, dim3(1), dim3(1024), smem, s, experts, int(n_pairs), int(n_expert), tile_tokens, pairs,
+           tiles, n_tiles);
 }
 
 void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
                  int64_t n_expert, int64_t width, float * out, cudaStream_t s) {
     const int64_t total = n * width;
-    moe_combine_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(ybuf, experts, weights, n, int(k), int(n_expert),
-                                                                     width, out);
+    launch(moe_combine_kernel, dim3(unsigned((total + 255) / 256)), dim3(256), 0, s, ybuf, experts, weights, n, int(k),
+           int(n_expert), width, out);
 }
 
 }  // namespace dsv4::cuda

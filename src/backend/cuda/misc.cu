@@ -5,8 +5,18 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 namespace dsv4::cuda {
+
+bool pdl_enabled() {
+    static const bool on = [] {
+        const char * e = std::getenv("DSV4_CUDA_PDL");
+        return !e || std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
 
 BlockSplit block_split(GgmlType type) {
     switch (type) {
@@ -32,6 +42,7 @@ unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) 
 // ---------------------------------------------------------------------------------------------------------------------
 __global__ void repack_kernel(BlockSplit sp, const uint8_t * src, uint8_t * dst, int64_t first, int64_t n,
                               int64_t total) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const uint8_t * b = src + i * sp.block_bytes;
@@ -46,11 +57,13 @@ __global__ void repack_kernel(BlockSplit sp, const uint8_t * src, uint8_t * dst,
 }
 
 __global__ void fill_kernel(float * dst, int64_t n, float v) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = v;
 }
 
 __global__ void get_rows_kernel(WeightRef table, const int32_t * ids, float * out) {
+    pdl_begin();
     const int64_t t = blockIdx.y;
     const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (c < table.ne0) out[t * table.ne0 + c] = weight_element(table, ids[t], c);
@@ -60,6 +73,7 @@ __global__ void get_rows_kernel(WeightRef table, const int32_t * ids, float * ou
 // Norms, RoPE, element-wise
 // ---------------------------------------------------------------------------------------------------------------------
 __global__ void rms_norm_kernel(const float * x, const float * gamma, float * y, int64_t width, float eps) {
+    pdl_begin();
     __shared__ double red[32];
     const float * xr = x + int64_t(blockIdx.x) * width;
     float * yr = y + int64_t(blockIdx.x) * width;
@@ -75,6 +89,7 @@ __global__ void rms_norm_kernel(const float * x, const float * gamma, float * y,
 
 __global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
                             const int32_t * positions, bool inverse) {
+    pdl_begin();
     const int half = n_rot / 2;
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * heads * half) return;
@@ -87,12 +102,52 @@ __global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, 
     v[1] = a * s + b * c;
 }
 
+// One block per (token, head) row: RMSNorm, RoPE, FP8 rounding and the ring copy with the expressions of
+// rms_norm_kernel (same block size: same sum order), rope_kernel, fp8_kernel and store_rows.
+__global__ void norm_rope_kernel(NormRopeArgs a) {
+    pdl_begin();
+    extern __shared__ float row[];  // [width]
+    __shared__ double red[32];
+    const int64_t th = blockIdx.x, t = th / a.heads, h = th % a.heads, width = a.width;
+    float * xr = a.x + th * width;
+    double ss = 0;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+        row[i] = xr[i];
+        ss += double(row[i]) * double(row[i]);
+    }
+    ss = block_sum(ss, red);
+    const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = row[i] * scale;
+        row[i] = a.gamma ? a.gamma[i] * v : v;
+    }
+    __syncthreads();
+    const int32_t pos = a.positions[t];
+    for (int i = threadIdx.x; i < a.n_rot / 2; i += blockDim.x) {
+        const float ang = float(pos) * a.inv_freq[i];
+        const float c = cosf(ang), s = sinf(ang);
+        float * v = row + (width - a.n_rot) + 2 * i;
+        const float x0 = v[0], x1 = v[1];
+        v[0] = x0 * c - x1 * s;
+        v[1] = x0 * s + x1 * c;
+    }
+    __syncthreads();
+    if (a.fp8_dims > 0) fp8_row_shared(row, a.fp8_dims);
+    float * ring = a.ring ? a.ring + ((int64_t(pos) % a.ring_rows) * a.heads + h) * width : nullptr;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+        xr[i] = row[i];
+        if (ring) ring[i] = row[i];
+    }
+}
+
 __global__ void add_kernel(const float * a, const float * b, float * out, int64_t n) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) out[i] = a[i] + b[i];
 }
 
 __global__ void swiglu_kernel(const float * g, const float * u, float * out, int64_t n, float limit) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) out[i] = swiglu_one(g[i], u[i], limit);
 }
@@ -102,6 +157,7 @@ __global__ void swiglu_kernel(const float * g, const float * u, float * out, int
 // ---------------------------------------------------------------------------------------------------------------------
 // Blocks of 64 over [0, n_dims); a trailing partial block is rounded as a block of its own (as the CPU does).
 __global__ void fp8_kernel(float * x, int64_t rows, int64_t width, int64_t n_dims) {
+    pdl_begin();
     const int64_t full = n_dims / 64, per_row = full + (n_dims > full * 64 ? 1 : 0);
     const int64_t blk = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     if (blk >= rows * per_row) return;
@@ -112,6 +168,7 @@ __global__ void fp8_kernel(float * x, int64_t rows, int64_t width, int64_t n_dim
 
 // One block per row; the row is staged in shared memory (width floats).
 __global__ void hadamard_fp4_kernel(float * x, int64_t width) {
+    pdl_begin();
     extern __shared__ float row[];
     float * xr = x + int64_t(blockIdx.x) * width;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = xr[i];
@@ -128,6 +185,7 @@ constexpr int kHcChunk = 256;  // stream-row values per partial block: 64 blocks
 constexpr int kThreadsHc = 256;
 
 __global__ void hc_expand_kernel(const float * x, float * streams, int64_t n, int64_t hc, int64_t width) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * hc * width) return;
     const int64_t t = i / (hc * width), c = i % width;
@@ -154,6 +212,7 @@ __device__ __forceinline__ float fn_element(const WeightRef & w, int64_t r, int6
 // Partial sums of x·x (double) and fn·x over one chunk of one token's hc·D stream row.
 template <FnKind K>
 __global__ void hc_partial_kernel(HcArgs a, int n_mix) {
+    pdl_begin();
     __shared__ float red[kThreadsHc / 32][kMaxMix];
     __shared__ double red_ss[kThreadsHc / 32];
     const int64_t len = a.hc * a.width;
@@ -251,6 +310,7 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
 }
 
 __global__ void hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
+    pdl_begin();
     __shared__ float mix[kMaxMix];
     __shared__ float w[16];
     __shared__ float comb[256];
@@ -291,15 +351,33 @@ __global__ void hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
     }
     __syncthreads();
     const float * x = a.streams + t * hc * a.width;
+    float * y = a.y + t * a.width;
+    if (!a.norm) {
+        for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) {
+            float s = 0;
+            for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
+            y[c] = s;
+        }
+        return;
+    }
+    // The sublayer's input norm, as rms_norm_kernel computes it (same block size, so the same sum order).
+    extern __shared__ float row[];  // [width]
+    __shared__ double red[32];
+    double ss = 0;
     for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) {
         float s = 0;
         for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
-        a.y[t * a.width + c] = s;
+        row[c] = s;
+        ss += double(s) * double(s);
     }
+    ss = block_sum(ss, red);
+    const float scale = 1.0f / sqrtf(float(ss / double(a.width)) + a.eps_norm);
+    for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) y[c] = a.norm[c] * (row[c] * scale);
 }
 
 __global__ void hc_post_kernel(const float * streams, const float * o, const float * post, const float * comb,
                                float * out, int64_t n, int64_t hc, int64_t width) {
+    pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * hc * width) return;
     const int64_t c = i % width, tj = i / width, t = tj / hc, j = tj % hc;
@@ -317,6 +395,7 @@ constexpr int kRouterWarps = 4;
 
 __global__ void router_kernel(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens,
                               int64_t n, int n_expert, int k, float route_scale, int32_t * experts, float * weights) {
+    pdl_begin();
     extern __shared__ float sm_router[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
@@ -380,54 +459,60 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
 void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t first_block, int64_t n_blocks,
                    int64_t total_blocks, cudaStream_t s) {
     if (n_blocks <= 0) return;
-    repack_kernel<<<blocks_for(n_blocks, 256), 256, 0, s>>>(block_split(type), src, dst, first_block, n_blocks,
-                                                            total_blocks);
+    launch(repack_kernel, dim3(blocks_for(n_blocks, 256)), dim3(256), 0, s, block_split(type), src, dst, first_block,
+           n_blocks, total_blocks);
 }
 
 void fill_f32(float * dst, int64_t n, float value, cudaStream_t s) {
-    if (n > 0) fill_kernel<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, value);
+    if (n > 0) launch(fill_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, s, dst, n, value);
 }
 
 void get_rows(const WeightRef & table, const int32_t * ids, int64_t n, float * out, cudaStream_t s) {
-    if (n > 0) get_rows_kernel<<<dim3(blocks_for(table.ne0, 256), unsigned(n)), 256, 0, s>>>(table, ids, out);
+    if (n > 0) launch(get_rows_kernel, dim3(blocks_for(table.ne0, 256), unsigned(n)), dim3(256), 0, s, table, ids, out);
 }
 
 void rms_norm(const float * x, const float * gamma, float * y, int64_t rows, int64_t width, float eps, cudaStream_t s) {
-    if (rows > 0) rms_norm_kernel<<<unsigned(rows), width >= 1024 ? 256 : 128, 0, s>>>(x, gamma, y, width, eps);
+    if (rows > 0)
+        launch(rms_norm_kernel, dim3(unsigned(rows)), dim3(width >= 1024 ? 256 : 128), 0, s, x, gamma, y, width, eps);
 }
 
 void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
           const int32_t * positions, bool inverse, cudaStream_t s) {
     const int64_t total = n * heads * (n_rot / 2);
     if (total > 0)
-        rope_kernel<<<blocks_for(total, 256), 256, 0, s>>>(x, n, heads, width, inv_freq, n_rot, positions, inverse);
+        launch(rope_kernel, dim3(blocks_for(total, 256)), dim3(256), 0, s, x, n, heads, width, inv_freq, n_rot,
+               positions, inverse);
+}
+
+void norm_rope(const NormRopeArgs & a, cudaStream_t s) {
+    if (a.n <= 0) return;
+    launch(norm_rope_kernel, dim3(unsigned(a.n * a.heads)), dim3(a.width >= 1024 ? 256 : 128),
+           size_t(a.width) * sizeof(float), s, a);
 }
 
 void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s) {
-    if (n > 0) add_kernel<<<blocks_for(n, 256), 256, 0, s>>>(a, b, out, n);
+    if (n > 0) launch(add_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, s, a, b, out, n);
 }
 
 void swiglu(const float * gate, const float * up, float * out, int64_t n, float limit, cudaStream_t s) {
-    if (n > 0) swiglu_kernel<<<blocks_for(n, 256), 256, 0, s>>>(gate, up, out, n, limit);
+    if (n > 0) launch(swiglu_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, s, gate, up, out, n, limit);
 }
 
 void fp8_roundtrip(float * x, int64_t rows, int64_t width, int64_t n_dims, cudaStream_t s) {
     const int64_t per_row = n_dims / 64 + (n_dims % 64 ? 1 : 0);
     if (rows > 0 && per_row > 0)
-        fp8_kernel<<<blocks_for(rows * per_row * 32, 256), 256, 0, s>>>(x, rows, width, n_dims);
+        launch(fp8_kernel, dim3(blocks_for(rows * per_row * 32, 256)), dim3(256), 0, s, x, rows, width, n_dims);
 }
 
 void hadamard_fp4_roundtrip(float * x, int64_t rows, int64_t width, cudaStream_t s) {
     if (rows <= 0) return;
     const size_t smem = size_t(width) * sizeof(float);
-    if (smem > 48 * 1024)
-        cudaFuncSetAttribute(hadamard_fp4_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    hadamard_fp4_kernel<<<unsigned(rows), 128, smem, s>>>(x, width);
+    launch(hadamard_fp4_kernel, dim3(unsigned(rows)), dim3(128), smem, s, x, width);
 }
 
 void hc_expand(const float * x, float * streams, int64_t n, int64_t hc, int64_t width, cudaStream_t s) {
     const int64_t total = n * hc * width;
-    if (total > 0) hc_expand_kernel<<<blocks_for(total, 256), 256, 0, s>>>(x, streams, n, hc, width);
+    if (total > 0) launch(hc_expand_kernel, dim3(blocks_for(total, 256)), dim3(256), 0, s, x, streams, n, hc, width);
 }
 
 int64_t hc_n_mix(int64_t hc, bool head) { return head ? hc : (2 + hc) * hc; }
@@ -443,31 +528,33 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     const dim3 grid(unsigned(chunks), unsigned(a.n));
     switch (a.fn.type) {
         case GgmlType::F16:
-            hc_partial_kernel<FnKind::f16><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            launch(hc_partial_kernel<FnKind::f16>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
             break;
         case GgmlType::F32:
-            hc_partial_kernel<FnKind::f32><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            launch(hc_partial_kernel<FnKind::f32>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
             break;
         default:
-            hc_partial_kernel<FnKind::any><<<grid, kThreadsHc, 0, s>>>(a, n_mix);
+            launch(hc_partial_kernel<FnKind::any>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
             break;
     }
-    hc_finish_kernel<<<unsigned(a.n), 256, 0, s>>>(a, n_mix, chunks);
+    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(256), a.norm ? size_t(a.width) * sizeof(float) : 0, s, a, n_mix,
+           chunks);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
              int64_t hc, int64_t width, cudaStream_t s) {
     const int64_t total = n * hc * width;
-    if (total > 0) hc_post_kernel<<<blocks_for(total, 256), 256, 0, s>>>(streams, o, post, comb, out, n, hc, width);
+    if (total > 0)
+        launch(hc_post_kernel, dim3(blocks_for(total, 256)), dim3(256), 0, s, streams, o, post, comb, out, n, hc,
+               width);
 }
 
 void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
             int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s) {
     if (n <= 0) return;
     const size_t smem = size_t(kRouterWarps) * 2 * size_t(n_expert) * sizeof(float);
-    if (smem > 48 * 1024) cudaFuncSetAttribute(router_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    router_kernel<<<blocks_for(n, kRouterWarps), kRouterWarps * 32, smem, s>>>(
-        logits, bias, tid2eid, tokens, n, int(n_expert), int(k), route_scale, experts, weights);
+    launch(router_kernel, dim3(blocks_for(n, kRouterWarps)), dim3(kRouterWarps * 32), smem, s, logits, bias, tid2eid,
+           tokens, n, int(n_expert), int(k), route_scale, experts, weights);
 }
 
 }  // namespace dsv4::cuda
