@@ -8,5 +8,9 @@ if [[ ! -f "$build_dir/CTestTestfile.cmake" ]]; then
   echo "test: no build in $build_dir; run ./scripts/setup.sh first" >&2
   exit 2
 fi
+# The server and tokenizer tests drive the pinned npm clients (tests/node/package-lock.json).
+if [[ ! -d tests/node/node_modules ]]; then
+  npm ci --prefix tests/node --no-audit --no-fund || exit 1
+fi
 cmake --build "$build_dir" -j "$(nproc)" || exit 1
 cd "$build_dir" && ctest --output-on-failure -j "$(nproc)" "$@"

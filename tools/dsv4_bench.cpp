@@ -60,15 +60,17 @@ double decode_bytes_per_token(const GgufFile & f) {
     return bytes;
 }
 
-int32_t argmax(std::span<const float> row) {
+// The greedy next token: argmax of the last row of the session's logits.
+int32_t next_token(const Session & s, int64_t n_vocab) {
+    const std::span<const float> row = s.logits().last(size_t(n_vocab));
     return int32_t(std::max_element(row.begin(), row.end()) - row.begin());
 }
 
-// Greedy decode of n tokens from the session's last logits; returns seconds.
-double decode(Session & s, int64_t n) {
+// Greedy decode of n tokens; returns seconds.
+double decode(Session & s, int64_t n, int64_t n_vocab) {
     Timer t;
     for (int64_t i = 0; i < n; ++i) {
-        const int32_t next = argmax(s.logits().last(size_t(s.logits().size() ? s.logits().size() : 0)));
+        const int32_t next = next_token(s, n_vocab);
         s.eval(std::span<const int32_t>(&next, 1));
     }
     return t.seconds();
@@ -150,7 +152,7 @@ int main(int argc, char ** argv) {
                 prefill_s[f].add(t.seconds());
                 done = f;
                 const std::string snap = s->snapshot();
-                decode_s[f].add(decode(*s, gen_tokens));
+                decode_s[f].add(decode(*s, gen_tokens, info.n_vocab));
                 s->restore(snap);
             }
         }
@@ -170,13 +172,13 @@ int main(int argc, char ** argv) {
             auto s = engine->new_session(ttft_prompt + 8);
             Timer t;
             s->eval(prompt);
-            argmax(s->logits());
+            next_token(*s, info.n_vocab);
             cold.add(t.seconds());
             auto w = engine->new_session(ttft_prompt + 8);
             w->eval(prompt.first(prompt.size() - 16));
             Timer tw;
             w->sync(prompt);
-            argmax(w->logits());
+            next_token(*w, info.n_vocab);
             warm.add(tw.seconds());
         }
         csv("ttft_cold", ttft_prompt, ttft_prompt, cold, 0);
@@ -195,14 +197,13 @@ int main(int argc, char ** argv) {
                     Timer t;
                     for (int64_t k = 0; k < gen_tokens; ++k)
                         for (auto & s : ss) {
-                            const int32_t next = argmax(s->logits());
+                            const int32_t next = next_token(*s, info.n_vocab);
                             s->eval(std::span<const int32_t>(&next, 1));
                         }
                     agg.add(t.seconds());
                 }
-                Sample per_stream = agg;
+                // Aggregate tokens/s over all streams; per stream it is this divided by the stream count.
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
-                (void)per_stream;
             }
         std::fprintf(stderr, "peak host memory: %ld MB\n", peak_rss_mb());
         std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", info.name.c_str(), info.backend.c_str(), peak_rss_mb());

@@ -6,12 +6,16 @@
 #include "engine/build_info.h"
 #include "format/gguf.h"
 #include "model/forward.h"
+#include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/log.h"
+
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 namespace dsv4 {
 
@@ -50,11 +54,24 @@ class EngineImpl final : public Engine {
         info_.n_ctx_train = c.n_ctx_train;
         info_.has_mtp = model_->weights().mtp.has_value();
         for (const GgufTensorInfo & t : file_->tensors()) info_.weight_bytes += t.n_bytes;
+        info_.n_ubatch = options.n_ubatch;
+        info_.description = std::string(file_->get_string_opt("general.description").value_or(""));
+        info_.random_weights = info_.description.rfind("dsv4-synth:", 0) == 0;
+        info_.chat_template = std::string(file_->get_string_opt("deepseek4.chat_template_version").value_or("v4"));
+        info_.fingerprint = fingerprint(*file_, info_.numerics);
+        if (file_->has("tokenizer.ggml.tokens")) {
+            tokenizer_.emplace(Tokenizer::from_gguf(*file_));
+            DSV4_CHECK(tokenizer_->n_vocab() == c.n_vocab, "{}: the tokenizer has {} tokens, the model {}",
+                       options.model_path, tokenizer_->n_vocab(), c.n_vocab);
+        }
     }
 
     const ModelInfo & info() const override { return info_; }
-    const Tokenizer * tokenizer() const override { return nullptr; }
+    const Tokenizer * tokenizer() const override { return tokenizer_ ? &*tokenizer_ : nullptr; }
     std::unique_ptr<Session> new_session(int64_t n_ctx) override;
+    uint64_t session_bytes(int64_t n_ctx) const override {
+        return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp).total();
+    }
 
     Model & model() { return *model_; }
     // The model's scratch is shared: one evaluation at a time across sessions.
@@ -65,8 +82,33 @@ class EngineImpl final : public Engine {
     std::unique_ptr<GgufFile> mtp_file_;
     std::unique_ptr<Backend> backend_;
     std::unique_ptr<Model> model_;
+    std::optional<Tokenizer> tokenizer_;
     ModelInfo info_;
     std::mutex eval_mutex_;
+
+    // Hashing all weights would read the whole file (80+ GB); the tensor table, the size and 64 KiB from a few
+    // tensors spread over the file tell checkpoints and quantizations apart just as well.
+    static uint64_t fingerprint(const GgufFile & file, std::string_view numerics) {
+        XXH64_state_t * h = XXH64_createState();
+        XXH64_reset(h, 0x64737634);
+        const uint64_t size = file.file_size();
+        XXH64_update(h, &size, sizeof size);
+        XXH64_update(h, numerics.data(), numerics.size());
+        const auto & tensors = file.tensors();
+        for (const GgufTensorInfo & t : tensors) {
+            XXH64_update(h, t.name.data(), t.name.size());
+            XXH64_update(h, &t.type, sizeof t.type);
+            XXH64_update(h, t.ne, sizeof t.ne);
+            XXH64_update(h, &t.offset, sizeof t.offset);
+        }
+        for (size_t k = 0; k < 4 && !tensors.empty(); ++k) {
+            const GgufTensorInfo & t = tensors[k * (tensors.size() - 1) / 3];
+            XXH64_update(h, file.tensor_data(t), std::min<uint64_t>(t.n_bytes, 65536));
+        }
+        const uint64_t out = XXH64_digest(h);
+        XXH64_freeState(h);
+        return out;
+    }
 };
 
 class SessionImpl final : public Session {
@@ -86,10 +128,9 @@ class SessionImpl final : public Session {
         std::lock_guard<std::mutex> lock(engine_.eval_mutex());
         bool done = false;
         try {
-            done = engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last,
-                                        logits_.data(), [&](int64_t n) {
-                                            return !progress || progress(n, int64_t(tokens.size()));
-                                        });
+            done =
+                engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last, logits_.data(),
+                                     [&](int64_t n) { return !progress || progress(n, int64_t(tokens.size())); });
         } catch (...) {
             // A failed evaluation leaves the state at an unknown point inside the chunk: start over.
             clear();
@@ -103,8 +144,9 @@ class SessionImpl final : public Session {
     int64_t sync(std::span<const int32_t> target, const ProgressFn & progress) override {
         const size_t common =
             size_t(std::mismatch(tokens_.begin(), tokens_.end(), target.begin(), target.end()).first - tokens_.begin());
-        // The compressed state cannot be rolled back, so only an extension of what the state holds is reused.
-        if (common > 0 && common == tokens_.size() && !logits_.empty()) {
+        // The compressed state cannot be rolled back, so only an extension of what the state holds is reused. A state
+        // whose last evaluation was cancelled has no logits: it can be extended, not used as it is.
+        if (common > 0 && common == tokens_.size() && (common < target.size() || !logits_.empty())) {
             if (common < target.size()) eval(target.subspan(common), false, progress);
             return int64_t(common);
         }
@@ -146,8 +188,7 @@ class SessionImpl final : public Session {
         take(tokens.data(), tokens.size() * sizeof(int32_t));
         take(&n_logits, 8);
         DSV4_CHECK(n_logits == 0 || n_logits == uint64_t(engine_.model().config().n_vocab),
-                   "session snapshot has {} logits, the vocabulary is {}", n_logits,
-                   engine_.model().config().n_vocab);
+                   "session snapshot has {} logits, the vocabulary is {}", n_logits, engine_.model().config().n_vocab);
         std::vector<float> logits(static_cast<size_t>(n_logits));
         take(logits.data(), logits.size() * sizeof(float));
         state_->restore(bytes);
@@ -164,11 +205,25 @@ class SessionImpl final : public Session {
     std::vector<float> logits_;
 };
 
-std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) {
-    return std::make_unique<SessionImpl>(*this, n_ctx);
-}
+std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) { return std::make_unique<SessionImpl>(*this, n_ctx); }
 
 }  // namespace
+
+int64_t Engine::plan_context(uint64_t memory_bytes, int n_sessions) const {
+    const int64_t n = std::max(n_sessions, 1);
+    const int64_t limit = info().n_ctx_train > 0 ? info().n_ctx_train : int64_t(1) << 20;
+    auto fits = [&](int64_t ctx) { return uint64_t(n) * session_bytes(ctx) <= memory_bytes; };
+    // The state grows monotonically with the context: binary search over multiples of the step.
+    int64_t lo = 0, hi = limit / kContextStep;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (fits(mid * kContextStep))
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo * kContextStep;
+}
 
 std::unique_ptr<Engine> Engine::open(const EngineOptions & options, const std::function<void(double)> & progress) {
     return std::make_unique<EngineImpl>(options, progress);

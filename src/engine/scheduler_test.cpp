@@ -1,0 +1,428 @@
+// The scheduler on a fake engine (DeepSeek's real vocabulary, scripted "model"): FIFO order, cancellation in the
+// queue, during prefill and during decode, prefix reuse by tokens, by text and by alias, stop strings, limits, the
+// disk cache across a restart, and shutdown. Built against dsv4_scheduler_test_hooks (scripted tokens available).
+#include "engine/scheduler.h"
+
+#include "format/gguf.h"
+#include "text/chat.h"
+#include "util/error.h"
+#include "util/timer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace dsv4 {
+namespace {
+
+const Tokenizer & vocab() {
+    static const Tokenizer tok = Tokenizer::from_gguf(GgufFile::open(DSV4_VOCAB_GGUF));
+    return tok;
+}
+
+// The "model": the next token as a function of the whole sequence; logits put +10 on it and -10 elsewhere.
+using NextFn = std::function<int32_t(const std::vector<int32_t> &)>;
+
+struct FakeLog {
+    std::mutex mutex;
+    std::vector<int32_t> first_tokens;  // tokens[0] of every eval call that starts a sequence (n_past 0)
+    int64_t evaluated = 0;              // tokens evaluated in total
+    int64_t chunks = 0;
+};
+
+class FakeSession final : public Session {
+  public:
+    FakeSession(int64_t n_ctx, NextFn next, FakeLog & log, int chunk, int chunk_ms)
+        : n_ctx_(n_ctx), next_(std::move(next)), log_(log), chunk_(chunk), chunk_ms_(chunk_ms) {}
+
+    int64_t n_ctx() const override { return n_ctx_; }
+    int64_t n_past() const override { return int64_t(tokens_.size()); }
+    const std::vector<int32_t> & tokens() const override { return tokens_; }
+    std::span<const float> logits() const override { return logits_; }
+    void clear() override {
+        tokens_.clear();
+        logits_.clear();
+    }
+
+    bool eval(std::span<const int32_t> t, bool, const ProgressFn & progress) override {
+        DSV4_CHECK(int64_t(tokens_.size() + t.size()) <= n_ctx_, "fake: context full");
+        if (tokens_.empty() && !t.empty()) {
+            std::lock_guard<std::mutex> lock(log_.mutex);
+            log_.first_tokens.push_back(t[0]);
+        }
+        for (size_t i = 0; i < t.size(); i += size_t(chunk_)) {
+            const size_t n = std::min(t.size() - i, size_t(chunk_));
+            if (chunk_ms_) std::this_thread::sleep_for(std::chrono::milliseconds(chunk_ms_));
+            tokens_.insert(tokens_.end(), t.begin() + std::ptrdiff_t(i), t.begin() + std::ptrdiff_t(i + n));
+            {
+                std::lock_guard<std::mutex> lock(log_.mutex);
+                log_.evaluated += int64_t(n);
+                ++log_.chunks;
+            }
+            if (progress && !progress(int64_t(i + n), int64_t(t.size()))) {
+                logits_.clear();
+                return false;
+            }
+        }
+        logits_.assign(size_t(vocab().n_vocab()), -10.0f);
+        logits_[size_t(next_(tokens_))] = 10.0f;
+        return true;
+    }
+    int64_t sync(std::span<const int32_t>, const ProgressFn &) override { fail("fake: sync is not used"); }
+
+    std::string snapshot() const override {
+        std::string out(reinterpret_cast<const char *>(tokens_.data()), tokens_.size() * 4);
+        out.append(reinterpret_cast<const char *>(logits_.data()), logits_.size() * 4);
+        return std::to_string(tokens_.size()) + ":" + out;
+    }
+    void restore(std::string_view bytes) override {
+        clear();
+        const size_t colon = bytes.find(':');
+        DSV4_CHECK(colon != std::string_view::npos, "fake: bad snapshot");
+        const size_t n = std::stoul(std::string(bytes.substr(0, colon)));
+        bytes.remove_prefix(colon + 1);
+        tokens_.resize(n);
+        std::memcpy(tokens_.data(), bytes.data(), n * 4);
+        bytes.remove_prefix(n * 4);
+        logits_.resize(bytes.size() / 4);
+        std::memcpy(logits_.data(), bytes.data(), bytes.size());
+    }
+
+  private:
+    int64_t n_ctx_;
+    NextFn next_;
+    FakeLog & log_;
+    int chunk_, chunk_ms_;
+    std::vector<int32_t> tokens_;
+    std::vector<float> logits_;
+};
+
+class FakeEngine final : public Engine {
+  public:
+    explicit FakeEngine(NextFn next, int chunk = 64, int chunk_ms = 0)
+        : next_(std::move(next)), chunk_(chunk), chunk_ms_(chunk_ms) {
+        info_.name = "fake";
+        info_.n_vocab = vocab().n_vocab();
+        info_.fingerprint = 77;
+    }
+    const ModelInfo & info() const override { return info_; }
+    const Tokenizer * tokenizer() const override { return &vocab(); }
+    std::unique_ptr<Session> new_session(int64_t n_ctx) override {
+        return std::make_unique<FakeSession>(n_ctx, next_, log, chunk_, chunk_ms_);
+    }
+    uint64_t session_bytes(int64_t n_ctx) const override { return uint64_t(n_ctx) * 1000; }
+
+    FakeLog log;
+
+  private:
+    NextFn next_;
+    int chunk_, chunk_ms_;
+    ModelInfo info_;
+};
+
+// Generates `reply` (token ids) after any prompt, then EOS.
+NextFn reply_with(std::vector<int32_t> reply, size_t prompt_len) {
+    return [reply, prompt_len](const std::vector<int32_t> & t) {
+        const size_t k = t.size() - prompt_len;
+        return k < reply.size() ? reply[k] : vocab().eos_id();
+    };
+}
+
+std::vector<int32_t> ids(std::string_view text) { return vocab().encode(text, false); }
+
+struct Result {
+    std::string text;
+    std::vector<int32_t> tokens;
+    GenerationUpdate last;
+};
+
+Result drain(GenerationJob & job, double timeout_s = 20) {
+    Result r;
+    Timer t;
+    while (t.seconds() < timeout_s) {
+        GenerationUpdate u = job.wait(0.5);
+        for (const GeneratedToken & g : u.tokens) {
+            r.text += g.text;
+            r.tokens.push_back(g.id);
+        }
+        r.text += u.tail;
+        if (u.finished) {
+            r.last = u;
+            return r;
+        }
+    }
+    ADD_FAILURE() << "job did not finish";
+    return r;
+}
+
+GenerationRequest greedy(std::vector<int32_t> prompt, int64_t max_tokens = 100) {
+    GenerationRequest r;
+    r.prompt = std::move(prompt);
+    r.sampling.temperature = 0;
+    r.max_tokens = max_tokens;
+    return r;
+}
+
+TEST(Scheduler, GeneratesUntilEosAndReportsUsage) {
+    const std::vector<int32_t> prompt = ids("Hello there");
+    FakeEngine engine(reply_with(ids(" General Kenobi"), prompt.size()));
+    Scheduler s(engine, {});
+    Result r = drain(*s.submit(greedy(prompt)));
+    EXPECT_EQ(r.text, " General Kenobi");
+    EXPECT_EQ(r.last.finish, FinishReason::eos);
+    EXPECT_EQ(r.last.usage.prompt_tokens, int64_t(prompt.size()));
+    EXPECT_EQ(r.last.usage.completion_tokens, int64_t(ids(" General Kenobi").size()));
+    EXPECT_EQ(r.last.usage.cached_tokens, 0);
+    EXPECT_EQ(s.stats().requests, 1u);
+}
+
+TEST(Scheduler, MaxTokensAndTheContextEndGenerationWithLength) {
+    const std::vector<int32_t> prompt = ids("count");
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("a"); });
+    SchedulerOptions o;
+    o.n_ctx = 64;
+    Scheduler s(engine, o);
+    Result r = drain(*s.submit(greedy(prompt, 5)));
+    EXPECT_EQ(r.last.finish, FinishReason::length);
+    EXPECT_EQ(r.text, "aaaaa");
+    r = drain(*s.submit(greedy(prompt, 1000)));  // clamped to the room the context leaves
+    EXPECT_EQ(r.last.finish, FinishReason::length);
+    EXPECT_EQ(int64_t(r.tokens.size()), 64 - int64_t(prompt.size()));
+    EXPECT_THROW(s.submit(greedy(std::vector<int32_t>(64, 5))), Error);  // no room for one token
+    EXPECT_THROW(s.submit(greedy({})), Error);
+    EXPECT_THROW(s.submit(greedy({vocab().n_vocab()})), Error);
+}
+
+TEST(Scheduler, StopStringsEndBeforeTheMatchAndHoldBackPartialMatches) {
+    const std::vector<int32_t> prompt = ids("q");
+    FakeEngine engine(reply_with(ids("Hello wonderful world"), prompt.size()));
+    Scheduler s(engine, {});
+    GenerationRequest r = greedy(prompt);
+    r.stop = {"world", "xyz"};
+    Result out = drain(*s.submit(r));
+    EXPECT_EQ(out.last.finish, FinishReason::stop);
+    EXPECT_EQ(out.text, "Hello wonderful ");
+    // "wo" of "wonderful" was held back until it could no longer be "world", then released.
+    r.stop = {"Hello"};
+    out = drain(*s.submit(r));
+    EXPECT_EQ(out.text, "");
+    EXPECT_EQ(out.last.finish, FinishReason::stop);
+    r.stop = {"world!"};  // never completes: everything comes out by the end
+    out = drain(*s.submit(r));
+    EXPECT_EQ(out.text, "Hello wonderful world");
+    EXPECT_EQ(out.last.finish, FinishReason::eos);
+}
+
+TEST(Scheduler, RunsJobsInArrivalOrder) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); }, 4, 20);
+    SchedulerOptions o;
+    o.n_sessions = 2;
+    Scheduler s(engine, o);
+    std::vector<std::shared_ptr<GenerationJob>> jobs;
+    for (int32_t first : {1000, 1001, 1002, 1003, 1004})
+        jobs.push_back(s.submit(greedy({first, 7, 7, 7, 7, 7, 7, 7}, 3)));
+    for (auto & j : jobs) EXPECT_EQ(drain(*j).last.finish, FinishReason::length);
+    std::lock_guard<std::mutex> lock(engine.log.mutex);
+    EXPECT_EQ(engine.log.first_tokens, (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
+}
+
+TEST(Scheduler, CancelledQueuedJobNeverRuns) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); }, 4, 30);
+    Scheduler s(engine, {});
+    auto a = s.submit(greedy({1000, 1, 1, 1, 1, 1, 1, 1}, 2));
+    auto b = s.submit(greedy({2000, 1, 1}, 2));
+    auto c = s.submit(greedy({3000, 1, 1}, 2));
+    b->cancel();
+    EXPECT_EQ(drain(*a).last.finish, FinishReason::length);
+    EXPECT_EQ(drain(*b).last.finish, FinishReason::cancelled);
+    EXPECT_EQ(drain(*c).last.finish, FinishReason::length);
+    std::lock_guard<std::mutex> lock(engine.log.mutex);
+    EXPECT_EQ(engine.log.first_tokens, (std::vector<int32_t>{1000, 3000}));
+    EXPECT_EQ(s.stats().cancelled, 1u);
+}
+
+TEST(Scheduler, CancellationStopsPrefillBetweenChunks) {
+    // 40 chunks of 50 ms: a full prefill would take 2 s (the bounds leave room for a loaded CI machine).
+    FakeEngine engine([](const std::vector<int32_t> &) { return 5; }, 16, 50);
+    Scheduler s(engine, {});
+    auto job = s.submit(greedy(std::vector<int32_t>(640, 9), 10));
+    Timer t;
+    while (t.seconds() < 5) {
+        GenerationUpdate u = job->wait(0.05);
+        if (u.prefill_done > 0) break;
+    }
+    job->cancel();
+    Result r = drain(*job);
+    EXPECT_LT(t.seconds(), 1.0);
+    EXPECT_EQ(r.last.finish, FinishReason::cancelled);
+    EXPECT_TRUE(r.tokens.empty());
+    std::lock_guard<std::mutex> lock(engine.log.mutex);
+    EXPECT_LT(engine.log.chunks, 10);
+}
+
+TEST(Scheduler, CancellationStopsDecodingBeforeTheNextToken) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("z"); });
+    Scheduler s(engine, {});
+    GenerationRequest r = greedy({1, 2, 3}, 100000);
+    r.test_step_delay_ms = 20;
+    auto job = s.submit(r);
+    size_t seen = 0;
+    Timer t;
+    while (seen < 3 && t.seconds() < 5) seen += job->wait(0.1).tokens.size();
+    job->cancel();
+    Timer after;
+    Result rest = drain(*job);
+    EXPECT_LT(after.seconds(), 1.0);
+    EXPECT_EQ(rest.last.finish, FinishReason::cancelled);
+    EXPECT_LT(seen + rest.tokens.size(), 10u);
+}
+
+TEST(Scheduler, ReusesALiveSessionByTokenPrefix) {
+    const std::vector<int32_t> p1 = ids("The first question");
+    const std::vector<int32_t> reply = ids(" and its answer");
+    FakeEngine engine(reply_with(reply, p1.size()));
+    Scheduler s(engine, {});
+    drain(*s.submit(greedy(p1)));
+    const int64_t before = engine.log.evaluated;
+    std::vector<int32_t> p2 = p1;
+    p2.insert(p2.end(), reply.begin(), reply.end());
+    p2.push_back(vocab().eos_id());
+    for (int32_t id : ids(" next")) p2.push_back(id);
+    Result r = drain(*s.submit(greedy(p2, 1)));
+    EXPECT_EQ(r.last.usage.cache_source, "live");
+    // The session holds the prompt and every generated token but the last (nothing followed it).
+    const int64_t held = int64_t(p1.size() + reply.size());
+    EXPECT_EQ(r.last.usage.cached_tokens, held);
+    EXPECT_EQ(engine.log.evaluated - before, int64_t(p2.size()) - held);
+    EXPECT_EQ(s.stats().live_hits, 1u);
+}
+
+TEST(Scheduler, ReusesByRenderedTextWhenTheTokensDiffer) {
+    // The model sampled " wor" + "ld"; the client's history re-tokenizes as " world": tokens differ, text does not.
+    const std::vector<int32_t> p1 = ids("Hello");
+    const std::vector<int32_t> sampled = {vocab().token_id("Ġwor"), vocab().token_id("ld")};
+    ASSERT_GE(sampled[0], 0);
+    ASSERT_GE(sampled[1], 0);
+    ASSERT_NE(ids(" world"), sampled);
+    FakeEngine engine(reply_with(sampled, p1.size()));
+    Scheduler s(engine, {});
+    GenerationRequest r1 = greedy(p1);
+    r1.pieces = {{"Hello", false}};
+    EXPECT_EQ(drain(*s.submit(r1)).text, " world");
+
+    GenerationRequest r2 = greedy({}, 1);
+    r2.pieces = {{"Hello world", false}, {std::string(kUserText), true}, {"more", false}};
+    r2.prompt = vocab().encode_pieces(r2.pieces);
+    Result out = drain(*s.submit(r2));
+    EXPECT_EQ(out.last.usage.cache_source, "live-text");
+    EXPECT_EQ(out.last.usage.cached_tokens, int64_t(p1.size() + 2));
+}
+
+TEST(Scheduler, VisibleAliasServesTheClientsRenderingOfTheSameState) {
+    const std::vector<int32_t> p1 = ids("Q1");
+    FakeEngine engine(reply_with(ids("hidden reasoning then answer"), p1.size()));
+    Scheduler s(engine, {});
+    GenerationRequest r1 = greedy(p1);
+    r1.pieces = {{"Q1", false}};
+    std::string seen;
+    r1.visible_alias = [&](std::string_view generated) {
+        seen = std::string(generated);
+        return std::string("Q1 answer");  // what the client will render for this state
+    };
+    drain(*s.submit(r1));
+    EXPECT_EQ(seen, "hidden reasoning then answer");
+
+    GenerationRequest r2 = greedy({}, 1);
+    r2.pieces = {{"Q1 answer", false}, {std::string(kEosText), true}, {"Q2", false}};
+    r2.prompt = vocab().encode_pieces(r2.pieces);
+    Result out = drain(*s.submit(r2));
+    EXPECT_EQ(out.last.usage.cache_source, "live-text");
+    EXPECT_EQ(out.last.usage.cached_tokens, int64_t(p1.size() + ids("hidden reasoning then answer").size()));
+}
+
+TEST(Scheduler, DiskCacheRestoresAfterARestart) {
+    const auto dir = std::filesystem::temp_directory_path() / ("dsv4_sched_disk_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; ++i) prompt.push_back(1000 + i);
+    SchedulerOptions o;
+    o.kv_disk_dir = dir.string();
+    o.kv_cache_min_tokens = 16;
+    o.kv_cache_interval = 0;
+    {
+        FakeEngine engine(reply_with(ids(" ok"), prompt.size()));
+        Scheduler s(engine, o);
+        drain(*s.submit(greedy(prompt)));
+        s.shutdown(1);  // saves the live session
+        EXPECT_EQ(s.stats().disk.writes, 1u);
+    }
+    FakeEngine engine(reply_with(ids(" ok"), prompt.size()));
+    Scheduler s(engine, o);
+    std::vector<int32_t> longer = prompt;
+    for (int32_t id : ids(" ok")) longer.push_back(id);
+    longer.push_back(77);
+    Result r = drain(*s.submit(greedy(longer, 1)));
+    EXPECT_EQ(r.last.usage.cache_source, "disk");
+    EXPECT_EQ(r.last.usage.cached_tokens, int64_t(prompt.size() + ids(" ok").size()));
+    EXPECT_EQ(engine.log.evaluated, 1);
+    EXPECT_EQ(s.stats().disk_hits, 1u);
+    s.shutdown(1);
+    std::filesystem::remove_all(dir);
+}
+
+TEST(Scheduler, ColdSnapshotAtTheCacheCutAndEvictionSave) {
+    const auto dir = std::filesystem::temp_directory_path() / ("dsv4_sched_cut_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    SchedulerOptions o;
+    o.kv_disk_dir = dir.string();
+    o.kv_cache_min_tokens = 8;
+    o.kv_cache_interval = 0;
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().eos_id(); });
+    Scheduler s(engine, o);
+    GenerationRequest a = greedy(std::vector<int32_t>(30, 1000));
+    a.cache_cut = 20;
+    drain(*s.submit(a));
+    EXPECT_EQ(s.stats().disk.writes, 1u);                      // at the cut
+    drain(*s.submit(greedy(std::vector<int32_t>(12, 2000))));  // unrelated: the 30-token state is saved first
+    EXPECT_EQ(s.stats().disk.writes, 2u);
+    GenerationRequest back = greedy(std::vector<int32_t>(25, 1000));  // shares the cut's 20 tokens
+    Result r = drain(*s.submit(back));
+    EXPECT_EQ(r.last.usage.cache_source, "disk");
+    EXPECT_EQ(r.last.usage.cached_tokens, 20);
+    s.shutdown(1);
+    std::filesystem::remove_all(dir);
+}
+
+TEST(Scheduler, ScriptedTokensReplaceSampling) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("q"); });
+    Scheduler s(engine, {});
+    GenerationRequest r = greedy(ids("x"));
+    r.scripted = ids("scripted reply");
+    Result out = drain(*s.submit(r));
+    EXPECT_EQ(out.text, "scripted reply");
+    EXPECT_EQ(out.last.finish, FinishReason::eos);
+}
+
+TEST(Scheduler, ShutdownFinishesQueuedJobsAndStopsTheRunningOne) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("z"); });
+    Scheduler s(engine, {});
+    GenerationRequest slow = greedy({1, 2}, 100000);
+    slow.test_step_delay_ms = 10;
+    auto running = s.submit(slow);
+    auto queued = s.submit(greedy({3, 4}, 5));
+    while (running->wait(0.1).tokens.empty()) {
+    }
+    Timer t;
+    s.shutdown(0.2);
+    EXPECT_LT(t.seconds(), 2.0);
+    EXPECT_EQ(drain(*running).last.finish, FinishReason::shutdown);
+    EXPECT_EQ(drain(*queued).last.finish, FinishReason::shutdown);
+    EXPECT_THROW(s.submit(greedy({5})), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
