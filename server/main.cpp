@@ -27,7 +27,8 @@ int main(int argc, char ** argv) {
     app.add_option("-t,--threads", o.engine.n_threads, "CPU threads (default: all)");
     app.add_option("--ubatch", o.engine.n_ubatch, "prefill chunk (default 256)")->check(CLI::Range(1, 1 << 20));
     app.add_option("--numerics", o.engine.numerics, "official (DeepSeek's KV/indexer rounding) or reference");
-    app.add_option("--backend", o.engine.backend, "cpu, cuda or auto");
+    app.add_option("--backend", o.engine.backend, "cpu, cuda or auto (cuda when a GPU is present)");
+    app.add_option("--gpu", o.engine.gpu, "CUDA device index");
     app.add_option("--alias", o.model_id, "model id in /v1/models and responses");
     app.add_option("-n,--max-tokens", o.max_output, "default and largest reply length (default: the context's room)")
         ->check(CLI::Range(int64_t(0), int64_t(1) << 31));

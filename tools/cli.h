@@ -14,6 +14,7 @@ struct Options {
     std::string model;              // -m MODEL.gguf (a model or a vocabulary-only GGUF)
     std::string mtp;                // --mtp MTP.gguf (ds4's separate MTP file)
     std::string backend = "auto";   // --backend cpu|cuda|auto
+    int gpu = 0;                    // --gpu N
     int threads = 0;                // --threads N (cpu)
     int64_t ubatch = 256;           // --ubatch N: prefill chunk (1 = token by token)
     int64_t ctx = 0;                // --ctx N

@@ -40,6 +40,7 @@ EngineOptions engine_options(const Options & opts) {
     e.model_path = opts.model;
     e.mtp_path = opts.mtp;
     e.backend = opts.backend;
+    e.gpu = opts.gpu;
     e.n_threads = opts.threads;
     e.n_ubatch = opts.ubatch;
     e.numerics = opts.numerics;

@@ -14,7 +14,8 @@ int main(int argc, char ** argv) {
     CLI::App app{"dsv4: DeepSeek V4 inference engine. `dsv4 -m MODEL` chats; -p answers one prompt."};
     app.add_option("-m,--model", opts.model, "model or vocabulary GGUF");
     app.add_option("--mtp", opts.mtp, "ds4's separate MTP GGUF");
-    app.add_option("--backend", opts.backend, "cpu, cuda or auto");
+    app.add_option("--backend", opts.backend, "cpu, cuda or auto (cuda when a GPU is present)");
+    app.add_option("--gpu", opts.gpu, "CUDA device index");
     app.add_option("-t,--threads", opts.threads, "CPU threads (default: all)");
     app.add_option("--ubatch", opts.ubatch, "prefill chunk size (1: token by token)")->check(CLI::Range(1, 1 << 20));
     app.add_option("-c,--ctx", opts.ctx, "context length");

@@ -3,6 +3,9 @@
 #include "dsv4/engine.h"
 
 #include "backend/backend.h"
+#if DSV4_HAVE_CUDA
+#include "backend/cuda.h"
+#endif
 #include "engine/build_info.h"
 #include "format/gguf.h"
 #include "model/forward.h"
@@ -31,13 +34,24 @@ class EngineImpl final : public Engine {
                    options.numerics);
         file_ = std::make_unique<GgufFile>(GgufFile::open(options.model_path));
         if (!options.mtp_path.empty()) mtp_file_ = std::make_unique<GgufFile>(GgufFile::open(options.mtp_path));
-        if (options.backend == "cpu" || options.backend == "auto") {
+        DSV4_CHECK(options.backend == "cpu" || options.backend == "cuda" || options.backend == "auto",
+                   "unknown backend '{}' (cpu, cuda or auto)", options.backend);
+#if DSV4_HAVE_CUDA
+        // auto: the GPU when there is one. The CUDA backend always multiplies quantized weights with 8-bit
+        // activations (the CPU's default numerics), so quantize_activations does not apply to it.
+        if (options.backend == "cuda" || (options.backend == "auto" && cuda_device_count() > 0)) {
+            CudaBackendOptions cuda;
+            cuda.device = options.gpu;
+            backend_ = make_cuda_backend(cuda);
+        }
+#else
+        DSV4_CHECK(options.backend != "cuda", "backend 'cuda' is not available in this build ({})", build_backends());
+#endif
+        if (!backend_) {
             CpuBackendOptions cpu;
             cpu.n_threads = options.n_threads;
             cpu.quantize_activations = options.quantize_activations;
             backend_ = make_cpu_backend(cpu);
-        } else {
-            fail("backend '{}' is not available in this build (cpu{})", options.backend, build_backends());
         }
         if (progress) progress(0.0);
         model_ = std::make_unique<Model>(*file_, *backend_, options.n_ubatch, numerics, mtp_file_.get());
@@ -230,7 +244,11 @@ std::unique_ptr<Engine> Engine::open(const EngineOptions & options, const std::f
 }
 
 std::string version_string() {
-    return fmt::format("dsv4 {} ({}), backends: {}", build_version(), build_commit(), build_backends());
+    std::string s = fmt::format("dsv4 {} ({}), backends: {}", build_version(), build_commit(), build_backends());
+#if DSV4_HAVE_CUDA
+    s += "\n" + cuda_device_summary();
+#endif
+    return s;
 }
 
 }  // namespace dsv4
