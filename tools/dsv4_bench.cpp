@@ -89,6 +89,7 @@ int main(int argc, char ** argv) {
     std::string text_path = DSV4_BENCH_TEXT;
     int64_t ctx_max = 8192, first_frontier = 2048, gen_tokens = 32, ttft_prompt = 2048;
     int repeat = 1;
+    double peak_gbps = -1;
     std::vector<int> streams = {1, 2, 4, 8};
     bool no_streams = false;
     CLI::App app{"dsv4-bench: prefill and decode speed against context"};
@@ -106,6 +107,8 @@ int main(int argc, char ** argv) {
     app.add_flag("--no-streams", no_streams, "skip the concurrent-stream measurement");
     app.add_option("--repeat", repeat, "repetitions; the CSV reports median, min and max")->check(CLI::Range(1, 100));
     app.add_option("--text", text_path, "text to walk (default: the committed book)");
+    app.add_option("--peak-gbps", peak_gbps,
+                   "memory bandwidth (GB/s) of the roofline; default 4300 (H200) on cuda, none on cpu");
     CLI11_PARSE(app, argc, argv);
     try {
         const GgufFile file = GgufFile::open(eo.model_path);
@@ -127,10 +130,16 @@ int main(int argc, char ** argv) {
 
         std::printf("model,backend,measure,context,tokens,seconds_median,tokens_per_s_median,tokens_per_s_min,"
                     "tokens_per_s_max,kv_bytes,roofline_fraction\n");
+        // Names go into CSV fields: commas and quotes become semicolons so every row has exactly 11 fields.
+        auto field = [](std::string v) {
+            std::replace_if(v.begin(), v.end(), [](char ch) { return ch == ',' || ch == '"'; }, ';');
+            return v;
+        };
+        const std::string model_field = field(info.name), backend_field = field(info.backend);
         auto csv = [&](const char * what, int64_t ctx, int64_t n, const Sample & secs, double roofline) {
             Sample rate;
             for (double s : secs.values) rate.add(double(n) / s);
-            std::printf("%s,%s,%s,%ld,%ld,%.4f,%.2f,%.2f,%.2f,%lu,%.4f\n", info.name.c_str(), info.backend.c_str(),
+            std::printf("%s,%s,%s,%ld,%ld,%.4f,%.2f,%.2f,%.2f,%lu,%.4f\n", model_field.c_str(), backend_field.c_str(),
                         what, ctx, n, secs.median(), rate.median(), rate.min(), rate.max(),
                         (unsigned long)engine->session_bytes(ctx), roofline);
             std::fflush(stdout);
@@ -138,6 +147,7 @@ int main(int argc, char ** argv) {
                          rate.median(), rate.min(), rate.max(),
                          roofline > 0 ? fmt::format("  {:.1f} % of roofline", 100 * roofline).c_str() : "");
         };
+        if (peak_gbps < 0) peak_gbps = info.backend.rfind("cuda", 0) == 0 ? 4300 : 0;
         std::fprintf(stderr, "%s: %s, %.2f GB read per decoded token\n", info.path.c_str(), info.backend.c_str(),
                      token_bytes / 1e9);
 
@@ -161,7 +171,7 @@ int main(int argc, char ** argv) {
             csv("prefill", f, f - prev, prefill_s[f], 0);
             Sample d = decode_s[f];
             const double rate = double(gen_tokens) / d.median();
-            csv("decode", f, gen_tokens, d, rate * token_bytes / 4.3e12);
+            csv("decode", f, gen_tokens, d, peak_gbps > 0 ? rate * token_bytes / (peak_gbps * 1e9) : 0);
             prev = f;
         }
 
@@ -206,7 +216,7 @@ int main(int argc, char ** argv) {
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
             }
         std::fprintf(stderr, "peak host memory: %ld MB\n", peak_rss_mb());
-        std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", info.name.c_str(), info.backend.c_str(), peak_rss_mb());
+        std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", model_field.c_str(), backend_field.c_str(), peak_rss_mb());
         return 0;
     } catch (const Error & e) {
         log_error("{}", e.what());
