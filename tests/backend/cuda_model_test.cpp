@@ -8,6 +8,7 @@
 #include "model/convert.h"
 #include "model/forward.h"
 #include "util/file.h"
+#include "model/oracle_fixture.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -25,65 +26,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Fixture {
-    std::string dir;
-    std::vector<int32_t> tokens;
-    int64_t prefill = 1;
-    std::set<int64_t> fragile;  // positions with an indexer/router top-k margin under 1e-4
-    std::vector<float> oracle;  // HF logits [S, V]
-};
+using Fixture = oracle::OracleFixture;
 
-std::vector<float> load_npy(const std::string & path) {
-    const std::string b = read_file(path);
-    uint16_t header_len;
-    std::memcpy(&header_len, b.data() + 8, 2);
-    std::vector<float> v((b.size() - 10 - header_len) / 4);
-    std::memcpy(v.data(), b.data() + 10 + header_len, v.size() * 4);
-    return v;
-}
-
-struct TempFiles {
-    std::vector<std::string> paths;
-    ~TempFiles() {
-        for (const auto & p : paths) fs::remove(p);
-    }
-};
-
-const Fixture & fixture(const std::string & name) {
-    static std::map<std::string, Fixture> cache;
-    auto it = cache.find(name);
-    if (it != cache.end()) return it->second;
-    Fixture f;
-    f.dir = std::string(DSV4_TEST_DATA) + "/oracle/" + name;
-    const auto tok = nlohmann::json::parse(read_file(f.dir + "/tokens.json"));
-    f.tokens = tok["tokens"].get<std::vector<int32_t>>();
-    f.prefill = tok.value("prefill", int64_t(1));
-    if (fs::exists(f.dir + "/meta.json")) {
-        const auto meta = nlohmann::json::parse(read_file(f.dir + "/meta.json"));
-        for (auto & [layer, kinds] : meta["fragile_positions"].items())
-            for (auto & [kind, list] : kinds.items())
-                for (auto & pm : list) f.fragile.insert(pm[0].get<int64_t>());
-    }
-    f.oracle = load_npy(f.dir + "/logits_full.npy");
-    return cache.emplace(name, std::move(f)).first->second;
-}
-
-// The fixture converted to a GGUF of the given mix (once per test run).
-const std::string & gguf(const std::string & name, StorageMix mix) {
-    static std::map<std::string, std::string> paths;
-    static TempFiles temp;
-    const std::string key = name + "/" + storage_mix_name(mix);
-    auto it = paths.find(key);
-    if (it != paths.end()) return it->second;
-    const std::string path = (fs::temp_directory_path() / ("dsv4_cuda_" + name + "_" + storage_mix_name(mix) + "_" +
-                                                           std::to_string(::getpid()) + ".gguf"))
-                                 .string();
-    ConvertOptions opt;
-    opt.mix = mix;
-    convert_checkpoint(fixture(name).dir, path, opt);
-    temp.paths.push_back(path);
-    return paths.emplace(key, path).first->second;
-}
+const Fixture & fixture(const std::string & name) { return oracle::oracle_fixture(name); }
+const std::string & gguf(const std::string & name, StorageMix mix) { return oracle::oracle_gguf(name, mix); }
 
 struct Runner {
     GgufFile file;
@@ -97,17 +43,7 @@ struct Runner {
     ~Runner() { model.reset(); }
 
     std::vector<float> run(const std::vector<int32_t> & tokens, const std::vector<int64_t> & calls) {
-        const int64_t V = model->config().n_vocab;
-        std::vector<float> out(tokens.size() * size_t(V));
-        auto state = model->new_state(int64_t(tokens.size()));
-        size_t pos = 0;
-        for (int64_t n : calls) {
-            model->eval(*state, std::span<const int32_t>(tokens).subspan(pos, size_t(n)), LogitsMode::all,
-                        out.data() + pos * size_t(V));
-            pos += size_t(n);
-        }
-        EXPECT_EQ(pos, tokens.size());
-        return out;
+        return oracle::run_calls(*model, tokens, calls);
     }
 };
 
@@ -117,12 +53,6 @@ std::unique_ptr<Backend> cuda(bool graphs = true) {
     return make_cuda_backend(o);
 }
 std::unique_ptr<Backend> cpu() { return make_cpu_backend({0, true}); }
-
-std::vector<int64_t> ones_after(int64_t first, size_t total) {
-    std::vector<int64_t> calls = {first};
-    for (size_t i = size_t(first); i < total; ++i) calls.push_back(1);
-    return calls;
-}
 
 struct Agreement {
     double max_err = 0, mean_err = 0, top1 = 0;
@@ -183,12 +113,12 @@ TEST_P(CudaModel, F32LogitsMatchCpuAndOracle) {
     }
     {
         Runner r(path, cuda(), 64);
-        pd = r.run(f.tokens, ones_after(f.prefill, S));
+        pd = r.run(f.tokens, oracle::prefill_then_decode(f.prefill, S));
     }
     const Agreement a1 = agree(f, ref, one, 1e-4, name + " f32: cuda one pass vs cpu");
     const Agreement a2 = agree(f, ref, steps, 1e-4, name + " f32: cuda token by token (graphs) vs cpu");
     const Agreement a3 = agree(f, one, pd, 1e-4, name + " f32: cuda prefill+decode vs one pass");
-    const Agreement a4 = agree(f, f.oracle, one, 1e-4, name + " f32: cuda one pass vs HF oracle");
+    const Agreement a4 = agree(f, f.logits.data, one, 1e-4, name + " f32: cuda one pass vs HF oracle");
     for (const Agreement & a : {a1, a2, a3, a4}) {
         EXPECT_EQ(a.bad_positions, 0);
         EXPECT_GE(a.top1, 0.99);
@@ -207,9 +137,7 @@ TEST_P(CudaModel, SnapshotRestoreContinues) {
     Runner r(gguf(name, StorageMix::f32), cuda(), 16);
     const int64_t V = r.model->config().n_vocab;
     const size_t n = f.tokens.size(), half = n / 2 + 3;
-    std::vector<int64_t> calls;
-    for (size_t done = 0; done < n; done += 16) calls.push_back(std::min<int64_t>(16, int64_t(n - done)));
-    const std::vector<float> whole = r.run(f.tokens, calls);
+    const std::vector<float> whole = r.run(f.tokens, oracle::uniform_calls(n, 16));
     auto a = r.model->new_state(int64_t(n));
     r.model->eval(*a, std::span<const int32_t>(f.tokens).first(half), LogitsMode::none, nullptr);
     const std::string snap = a->snapshot();
@@ -258,7 +186,7 @@ TEST(CudaModelQuantized, MixesMatchCpu) {
         }
         {
             Runner r(path, cuda(), 64);
-            pd = r.run(f.tokens, ones_after(f.prefill, S));
+            pd = r.run(f.tokens, oracle::prefill_then_decode(f.prefill, S));
         }
         const std::string tag = name + " " + storage_mix_name(mix);
         const Agreement noise = agree(f, ref, ref_f32, 1e-3, tag + ": cpu 8-bit act vs cpu f32 act");

@@ -10,6 +10,7 @@
 #include "model/forward.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "model/oracle_fixture.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -26,102 +27,29 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Npy {
-    std::vector<float> data;
-    int64_t rows = 0, cols = 0;
-};
+using oracle::load_npy;
+using oracle::Npy;
+using oracle::uniform_calls;
+using Fixture = oracle::OracleFixture;
 
-// NumPy .npy, float32 little-endian, C order, 2-D.
-Npy load_npy(const std::string & path) {
-    const std::string b = read_file(path);
-    EXPECT_EQ(b.substr(1, 5), "NUMPY");
-    uint16_t header_len;
-    std::memcpy(&header_len, b.data() + 8, 2);
-    const std::string header = b.substr(10, header_len);
-    EXPECT_NE(header.find("'<f4'"), std::string::npos) << header;
-    const size_t open = header.find("'shape': (") + 10;
-    Npy n;
-    std::sscanf(header.c_str() + open, "%ld, %ld", &n.rows, &n.cols);
-    n.data.resize(size_t(n.rows * n.cols));
-    std::memcpy(n.data.data(), b.data() + 10 + header_len, n.data.size() * sizeof(float));
-    return n;
-}
-
-struct Fixture {
-    std::string dir;
-    std::string gguf;
-    std::vector<int32_t> tokens;
-    int64_t prefill = 0;
-    std::vector<int64_t> chunks;
-    Npy logits;
-    std::set<int64_t> fragile;  // positions with an indexer/router top-k margin under 1e-4
-};
-
-// Converted GGUFs live in the temp folder for the test run and are removed at exit.
-struct TempFiles {
-    std::vector<std::string> paths;
-    ~TempFiles() {
-        for (const auto & p : paths) fs::remove(p);
-    }
-};
-
-const Fixture & fixture(const std::string & name) {
-    static std::map<std::string, Fixture> cache;
-    static TempFiles temp;
-    auto it = cache.find(name);
-    if (it != cache.end()) return it->second;
-    Fixture f;
-    f.dir = std::string(DSV4_TEST_DATA) + "/oracle/" + name;
-    const auto tok = nlohmann::json::parse(read_file(f.dir + "/tokens.json"));
-    f.tokens = tok["tokens"].get<std::vector<int32_t>>();
-    f.prefill = tok.value("prefill", int64_t(1));
-    if (tok.contains("chunk_schedule")) f.chunks = tok["chunk_schedule"].get<std::vector<int64_t>>();
-    f.logits = load_npy(f.dir + "/logits_full.npy");
-    if (fs::exists(f.dir + "/meta.json")) {
-        const auto meta = nlohmann::json::parse(read_file(f.dir + "/meta.json"));
-        for (auto & [layer, kinds] : meta["fragile_positions"].items())
-            for (auto & [kind, list] : kinds.items())
-                for (auto & pm : list) f.fragile.insert(pm[0].get<int64_t>());
-    }
-    f.gguf = (fs::temp_directory_path() / ("dsv4_oracle_" + name + "_" + std::to_string(::getpid()) + ".gguf")).string();
-    ConvertOptions opt;
-    opt.mix = StorageMix::f32;
-    convert_checkpoint(f.dir, f.gguf, opt);
-    temp.paths.push_back(f.gguf);
-    return cache.emplace(name, std::move(f)).first->second;
-}
+const Fixture & fixture(const std::string & name) { return oracle::oracle_fixture(name); }
 
 struct Runner {
     GgufFile file;
     std::unique_ptr<Backend> backend;
     std::unique_ptr<Model> model;
 
-    Runner(const Fixture & f, int64_t n_ubatch, Numerics numerics = Numerics::reference)
-        : file(GgufFile::open(f.gguf)), backend(make_cpu_backend({2, true})) {
+    Runner(const std::string & path, int64_t n_ubatch, Numerics numerics = Numerics::reference)
+        : file(GgufFile::open(path)), backend(make_cpu_backend({2, true})) {
         model = std::make_unique<Model>(file, *backend, n_ubatch, numerics);
     }
+    Runner(const Fixture & f, int64_t n_ubatch, Numerics numerics = Numerics::reference)
+        : Runner(oracle::oracle_gguf(f.name), n_ubatch, numerics) {}
 
-    // Evaluates the tokens in calls of the given sizes on one state; returns every position's logits.
     std::vector<float> run(const std::vector<int32_t> & tokens, const std::vector<int64_t> & calls) {
-        const int64_t V = model->config().n_vocab;
-        std::vector<float> out(tokens.size() * size_t(V));
-        auto state = model->new_state(int64_t(tokens.size()));
-        size_t pos = 0;
-        for (int64_t n : calls) {
-            model->eval(*state, std::span<const int32_t>(tokens).subspan(pos, size_t(n)), LogitsMode::all,
-                        out.data() + pos * size_t(V));
-            pos += size_t(n);
-        }
-        EXPECT_EQ(pos, tokens.size());
-        return out;
+        return oracle::run_calls(*model, tokens, calls);
     }
 };
-
-std::vector<int64_t> uniform_calls(size_t total, int64_t step) {
-    std::vector<int64_t> calls;
-    for (size_t done = 0; done < total; done += size_t(step)) calls.push_back(std::min<int64_t>(step, int64_t(total - done)));
-    return calls;
-}
 
 // Every logit within 1e-4·max(1, |ref|) outside the near-tie positions; the same top-1 token at >= 99%.
 void expect_matches_oracle(const Fixture & f, const std::vector<float> & got, const std::string & what) {
@@ -165,9 +93,8 @@ TEST_P(Oracle, ChunkedAndTokenByTokenMatchLogits) {
 TEST_P(Oracle, PrefillThenDecodeAndOracleSchedule) {
     const Fixture & f = fixture(GetParam());
     Runner r(f, 64);
-    std::vector<int64_t> incr = {f.prefill};
-    for (size_t i = size_t(f.prefill); i < f.tokens.size(); ++i) incr.push_back(1);
-    expect_matches_oracle(f, r.run(f.tokens, incr), GetParam() + " prefill+decode");
+    expect_matches_oracle(f, r.run(f.tokens, oracle::prefill_then_decode(f.prefill, f.tokens.size())),
+                          GetParam() + " prefill+decode");
     if (!f.chunks.empty()) expect_matches_oracle(f, r.run(f.tokens, f.chunks), GetParam() + " oracle chunks");
 }
 
@@ -361,24 +288,15 @@ class Quantized : public ::testing::TestWithParam<QuantCase> {};
 
 TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
     const QuantCase q = GetParam();
-    Fixture f = fixture(q.fixture);
-    const std::string path = f.gguf + "." + storage_mix_name(q.type) + ".gguf";
-    ConvertOptions opt;
-    opt.mix = q.type;
-    convert_checkpoint(f.dir, path, opt);
+    const Fixture & f = fixture(q.fixture);
+    const std::string & path = oracle::oracle_gguf(f.name, q.type);
     const std::string twin_path = dequantized_twin(path);
 
     auto run = [&](const std::string & gguf, bool quantize_activations) {
-        Fixture g = f;
-        g.gguf = gguf;
         const GgufFile file = GgufFile::open(gguf);
         auto backend = make_cpu_backend({2, quantize_activations});
         Model model(file, *backend, 64, Numerics::reference);
-        const int64_t V = model.config().n_vocab;
-        std::vector<float> out(f.tokens.size() * size_t(V));
-        auto state = model.new_state(int64_t(f.tokens.size()));
-        model.eval(*state, f.tokens, LogitsMode::all, out.data());
-        return out;
+        return oracle::run_calls(model, f.tokens, {int64_t(f.tokens.size())});
     };
     const std::vector<float> q8act = run(path, true), f32act = run(path, false), twin = run(twin_path, false);
     for (const auto & [what, got] : {std::pair{"8-bit activations", &q8act}, std::pair{"f32 activations", &f32act}}) {
@@ -392,7 +310,6 @@ TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
     for (size_t i = 0; i < twin.size(); ++i)
         worst = std::max(worst, std::fabs(double(f32act[i]) - double(twin[i])) / std::max(1.0, std::fabs(double(twin[i]))));
     EXPECT_LT(worst, 1e-4) << "quantized kernels differ from dequantize-then-f32";
-    fs::remove(path);
     fs::remove(twin_path);
 }
 

@@ -1,0 +1,126 @@
+// The HF oracle fixtures of tests/data/oracle (made by ../shared/oracle/make_reference.py and
+// tests/oracle/make_fixtures.py), shared by the CPU tests (tests/model/oracle_test.cpp) and the CUDA tests
+// (tests/backend/cuda_model_test.cpp): loading, conversion to GGUF once per run, and running a call schedule.
+#pragma once
+
+#include "model/convert.h"
+#include "model/forward.h"
+#include "util/file.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <unistd.h>
+
+namespace dsv4::oracle {
+
+struct Npy {
+    std::vector<float> data;
+    int64_t rows = 0, cols = 0;
+};
+
+// NumPy .npy, float32 little-endian, C order, 2-D.
+inline Npy load_npy(const std::string & path) {
+    const std::string b = read_file(path);
+    EXPECT_EQ(b.substr(1, 5), "NUMPY");
+    uint16_t header_len;
+    std::memcpy(&header_len, b.data() + 8, 2);
+    const std::string header = b.substr(10, header_len);
+    EXPECT_NE(header.find("'<f4'"), std::string::npos) << header;
+    const size_t open = header.find("'shape': (") + 10;
+    Npy n;
+    std::sscanf(header.c_str() + open, "%ld, %ld", &n.rows, &n.cols);
+    n.data.resize(size_t(n.rows * n.cols));
+    std::memcpy(n.data.data(), b.data() + 10 + header_len, n.data.size() * sizeof(float));
+    return n;
+}
+
+struct OracleFixture {
+    std::string name;
+    std::string dir;
+    std::vector<int32_t> tokens;
+    int64_t prefill = 1;
+    std::vector<int64_t> chunks;  // the oracle's random chunk schedule
+    Npy logits;                   // logits_full.npy: [S, V]
+    std::set<int64_t> fragile;    // positions with an indexer/router top-k margin under 1e-4
+};
+
+inline const OracleFixture & oracle_fixture(const std::string & name) {
+    static std::map<std::string, OracleFixture> cache;
+    auto it = cache.find(name);
+    if (it != cache.end()) return it->second;
+    OracleFixture f;
+    f.name = name;
+    f.dir = std::string(DSV4_TEST_DATA) + "/oracle/" + name;
+    const auto tok = nlohmann::json::parse(read_file(f.dir + "/tokens.json"));
+    f.tokens = tok["tokens"].get<std::vector<int32_t>>();
+    f.prefill = tok.value("prefill", int64_t(1));
+    if (tok.contains("chunk_schedule")) f.chunks = tok["chunk_schedule"].get<std::vector<int64_t>>();
+    f.logits = load_npy(f.dir + "/logits_full.npy");
+    if (std::filesystem::exists(f.dir + "/meta.json")) {
+        const auto meta = nlohmann::json::parse(read_file(f.dir + "/meta.json"));
+        for (auto & [layer, kinds] : meta["fragile_positions"].items())
+            for (auto & [kind, list] : kinds.items())
+                for (auto & pm : list) f.fragile.insert(pm[0].get<int64_t>());
+    }
+    return cache.emplace(name, std::move(f)).first->second;
+}
+
+// The fixture converted to a GGUF of the given storage mix, once per test run; the files are removed at exit.
+inline const std::string & oracle_gguf(const std::string & name, StorageMix mix = StorageMix::f32) {
+    struct TempFiles {
+        std::map<std::string, std::string> paths;
+        ~TempFiles() {
+            for (const auto & [key, p] : paths) std::filesystem::remove(p);
+        }
+    };
+    static TempFiles temp;
+    const std::string key = name + "/" + storage_mix_name(mix);
+    auto it = temp.paths.find(key);
+    if (it != temp.paths.end()) return it->second;
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              ("dsv4_oracle_" + name + "_" + storage_mix_name(mix) + "_" + std::to_string(::getpid()) +
+                               ".gguf"))
+                                 .string();
+    ConvertOptions opt;
+    opt.mix = mix;
+    convert_checkpoint(oracle_fixture(name).dir, path, opt);
+    return temp.paths.emplace(key, path).first->second;
+}
+
+// Evaluates the tokens in calls of the given sizes on one new state; returns every position's logits.
+inline std::vector<float> run_calls(Model & model, const std::vector<int32_t> & tokens,
+                                    const std::vector<int64_t> & calls) {
+    const int64_t V = model.config().n_vocab;
+    std::vector<float> out(tokens.size() * size_t(V));
+    auto state = model.new_state(int64_t(tokens.size()));
+    size_t pos = 0;
+    for (int64_t n : calls) {
+        model.eval(*state, std::span<const int32_t>(tokens).subspan(pos, size_t(n)), LogitsMode::all,
+                   out.data() + pos * size_t(V));
+        pos += size_t(n);
+    }
+    EXPECT_EQ(pos, tokens.size());
+    return out;
+}
+
+// Calls of `step` tokens (the last one shorter) covering `total`.
+inline std::vector<int64_t> uniform_calls(size_t total, int64_t step) {
+    std::vector<int64_t> calls;
+    for (size_t done = 0; done < total; done += size_t(step))
+        calls.push_back(std::min<int64_t>(step, int64_t(total - done)));
+    return calls;
+}
+
+// A prefill of `first` tokens, then one call per token.
+inline std::vector<int64_t> prefill_then_decode(int64_t first, size_t total) {
+    std::vector<int64_t> calls = {first};
+    for (size_t i = size_t(first); i < total; ++i) calls.push_back(1);
+    return calls;
+}
+
+}  // namespace dsv4::oracle
