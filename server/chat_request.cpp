@@ -4,6 +4,7 @@
 
 #include "text/dsml.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 #include <nlohmann/json.hpp>
 
@@ -64,15 +65,6 @@ const ojson & array_member(const ojson & object, std::string_view key, const std
     const ojson * v = member(object, key);
     if (!v || !v->is_array()) bad(field_path(path, key), "missing or not an array");
     return *v;
-}
-
-std::string join(const std::vector<std::string> & parts, std::string_view sep) {
-    std::string out;
-    for (size_t i = 0; i < parts.size(); ++i) {
-        if (i) out += sep;
-        out += parts[i];
-    }
-    return out;
 }
 
 ChatMessage message(ChatRole role, std::string content = {}) {

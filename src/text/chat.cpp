@@ -5,6 +5,7 @@
 
 #include "text/dsml.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 #include <algorithm>
 #include <array>
@@ -82,15 +83,6 @@ struct Turn {
     std::vector<Block> blocks;          // user turns
     ChatTask task = ChatTask::none;
 };
-
-std::string join(const std::vector<std::string> & parts, std::string_view sep) {
-    std::string out;
-    for (size_t i = 0; i < parts.size(); ++i) {
-        if (i) out += sep;
-        out += parts[i];
-    }
-    return out;
-}
 
 // Appends pieces rendered elsewhere, merging text at the seam.
 void append_pieces(std::vector<TextPiece> & out, const std::vector<TextPiece> & pieces) {
