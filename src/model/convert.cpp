@@ -373,9 +373,9 @@ ModelConfig model_config(const SrcConfig & s, const std::string & name) {
     return c;
 }
 
-// Tensor names of a slot in the two checkpoint namings: transformers', then DeepSeek's (layer prefixes added
-// by the caller). Experts and the token table are handled apart.
-std::pair<const char *, const char *> source_names(Slot slot) {
+}  // namespace
+
+std::pair<const char *, const char *> checkpoint_tensor_names(Slot slot) {
     switch (slot) {
         case Slot::token_embd: return {"model.embed_tokens.weight", "embed.weight"};
         case Slot::output_norm: return {"model.norm.weight", "norm.weight"};
@@ -422,6 +422,8 @@ std::pair<const char *, const char *> source_names(Slot slot) {
     }
 }
 
+namespace {
+
 struct Planned {
     TensorSpec spec;
     GgmlType type;
@@ -440,7 +442,7 @@ class Planner {
             const std::string o = spec.layer < 0 ? "" : fmt::format("layers.{}.", spec.layer);
             Planned p{spec, storage_type(spec.role, mix_, spec.ne[0]), {}, nullptr};
             if (p.type != storage_type(spec.role, mix_, int64_t(1) << 20)) ++fallbacks_;
-            auto [hf, off] = source_names(spec.slot);
+            auto [hf, off] = checkpoint_tensor_names(spec.slot);
             if (spec.slot == Slot::exp_probs_b && !find(h + hf, o + off)) continue;  // optional: a zero bias
             if (spec.role == Role::table) {
                 p.table = &need(h + hf, o + off);

@@ -29,6 +29,11 @@ struct ConvertStats {
     size_t n_fallbacks = 0;  // tensors stored in a wider type because their rows do not fit the chosen blocks
 };
 
+// A layout slot's tensor name in transformers' naming and in DeepSeek's (without the "model.layers.N." /
+// "layers.N." prefix of layer tensors); null for the routed experts (stacked in transformers, one matrix per expert
+// in DeepSeek's files: layers.N.ffn.experts.E.w1/w2/w3) and MTP slots.
+std::pair<const char *, const char *> checkpoint_tensor_names(Slot slot);
+
 ConvertStats convert_checkpoint(const std::string & input_dir, const std::string & output_path,
                                 const ConvertOptions & options);
 

@@ -7,6 +7,9 @@
 #include "model/forward.h"
 #include "model/kv_state.h"
 #include "model/synth.h"
+#include "format/quant.h"
+#include "model/layout.h"
+#include "util/half.h"
 #include "util/error.h"
 #include "util/file.h"
 
@@ -16,6 +19,7 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <unistd.h>
 
 using namespace dsv4;
@@ -253,6 +257,213 @@ TEST(Convert, ShardsExtraFilesAndErrors) {
         EXPECT_NE(std::string(e.what()).find("sharded"), std::string::npos) << e.what();
     }
     EXPECT_FALSE(fs::exists(dir.file("x.gguf")));  // nothing half-written under the output name
+}
+
+// DeepSeek's official checkpoint encoding, written by this test: the dense projections as FP8 E4M3 with one E8M0
+// scale per 128×128 tile, routed experts as packed FP4 E2M1 (even column in the low nibble) with one E8M0 scale per
+// 32 values, the rest BF16/F32, ModelArgs config. The converted GGUF must hold exactly the values the bytes encode,
+// and the model must stay close to the unquantized one it was made from.
+TEST(Convert, OfficialEncodingWrittenHere) {
+    TempDir dir;
+    SynthOptions o;
+    o.config = mini_config(4, 300);  // sliding, sliding, CSA, HCA; hash layers 0-2, score-routed layer 3
+    o.mix = StorageMix::f32;
+    const std::string ref_path = dir.file("ref.gguf");
+    write_synthetic_model(o, ref_path);
+    const GgufFile ref = GgufFile::open(ref_path);
+    const ModelConfig & c = o.config;
+
+    struct Entry {
+        std::string dtype;
+        std::vector<int64_t> shape;
+        std::string bytes;
+    };
+    std::map<std::string, Entry> out;
+    std::map<std::string, std::vector<float>> expect;  // what the converter must decode, per official name
+    auto f32_of = [&](const GgufTensorInfo & t) {
+        return std::vector<float>(reinterpret_cast<const float *>(ref.tensor_data(t)),
+                                  reinterpret_cast<const float *>(ref.tensor_data(t)) + t.n_elements());
+    };
+    // Power-of-two scale for a block so that amax / scale fits the format's largest value.
+    auto e8m0_for = [](float amax, float fmax) {
+        const int e = std::max(-127, std::min(127, int(std::ceil(std::log2(std::max(amax, 1e-30f) / fmax)))));
+        return uint8_t(e + 127);
+    };
+    auto put_fp8 = [&](const std::string & name, const float * w, int64_t rows, int64_t cols) {
+        const int64_t sr = (rows + 127) / 128, sc = (cols + 127) / 128;
+        std::string q(size_t(rows * cols), '\0'), scales(size_t(sr * sc), '\0');
+        std::vector<float> dec(size_t(rows * cols));
+        for (int64_t br = 0; br < sr; ++br)
+            for (int64_t bc = 0; bc < sc; ++bc) {
+                float amax = 0;
+                for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+                    for (int64_t k = bc * 128; k < std::min(cols, bc * 128 + 128); ++k) amax = std::max(amax, std::fabs(w[r * cols + k]));
+                const uint8_t e = e8m0_for(amax, 448.0f);
+                scales[size_t(br * sc + bc)] = char(e);
+                const float s = std::ldexp(1.0f, int(e) - 127);
+                for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+                    for (int64_t k = bc * 128; k < std::min(cols, bc * 128 + 128); ++k) {
+                        const uint8_t code = f32_to_e4m3(w[r * cols + k] / s);
+                        q[size_t(r * cols + k)] = char(code);
+                        dec[size_t(r * cols + k)] = e4m3_to_f32(code) * s;
+                    }
+            }
+        out[name] = {"F8_E4M3", {rows, cols}, q};
+        out[name.substr(0, name.size() - 7) + ".scale"] = {"F8_E8M0", {sr, sc}, scales};
+        expect[name] = dec;
+    };
+    auto put_fp4 = [&](const std::string & name, const float * w, int64_t rows, int64_t cols) {
+        std::string q(size_t(rows * cols / 2), '\0'), scales(size_t(rows * cols / 32), '\0');
+        std::vector<float> dec(size_t(rows * cols));
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t b = 0; b < cols / 32; ++b) {
+                float amax = 0;
+                for (int64_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(w[r * cols + b * 32 + k]));
+                const uint8_t e = e8m0_for(amax, 6.0f);
+                scales[size_t(r * (cols / 32) + b)] = char(e);
+                const float s = std::ldexp(1.0f, int(e) - 127);
+                for (int64_t k = 0; k < 32; ++k) {
+                    const int64_t col = b * 32 + k;
+                    const uint8_t code = f32_to_e2m1(w[r * cols + col] / s);
+                    q[size_t((r * cols + col) / 2)] |= char(col % 2 ? code << 4 : code);
+                    dec[size_t(r * cols + col)] = e2m1_to_f32(code) * s;
+                }
+            }
+        out[name] = {"I8", {rows, cols / 2}, q};
+        out[name.substr(0, name.size() - 7) + ".scale"] = {"F8_E8M0", {rows, cols / 32}, scales};
+        expect[name] = dec;
+    };
+    auto put_plain = [&](const std::string & name, const std::vector<float> & v, std::vector<int64_t> shape, bool bf16) {
+        std::string bytes;
+        std::vector<float> dec(v.size());
+        for (size_t i = 0; i < v.size(); ++i) {
+            if (bf16) {
+                const uint16_t h = f32_to_bf16(v[i]);
+                bytes.append(reinterpret_cast<const char *>(&h), 2);
+                dec[i] = bf16_to_f32(h);
+            } else {
+                bytes.append(reinterpret_cast<const char *>(&v[i]), 4);
+                dec[i] = v[i];
+            }
+        }
+        out[name] = {bf16 ? "BF16" : "F32", std::move(shape), bytes};
+        expect[name] = dec;
+    };
+
+    for (const TensorSpec & spec : tensor_layout(c)) {
+        const GgufTensorInfo & t = *ref.find_tensor(spec.name);
+        const std::vector<float> w = f32_of(t);
+        const std::string o_prefix = spec.layer < 0 ? "" : "layers." + std::to_string(spec.layer) + ".";
+        if (spec.slot == Slot::gate_exps || spec.slot == Slot::up_exps || spec.slot == Slot::down_exps) {
+            const char * wn = spec.slot == Slot::gate_exps ? "w1" : spec.slot == Slot::up_exps ? "w3" : "w2";
+            for (int64_t e = 0; e < spec.ne[2]; ++e)
+                put_fp4(o_prefix + "ffn.experts." + std::to_string(e) + "." + wn + ".weight",
+                        w.data() + e * spec.ne[0] * spec.ne[1], spec.ne[1], spec.ne[0]);
+            continue;
+        }
+        const std::string name = o_prefix + checkpoint_tensor_names(spec.slot).second;
+        if (spec.role == Role::table) {
+            const int32_t * ids = reinterpret_cast<const int32_t *>(ref.tensor_data(t));
+            std::string bytes;
+            for (int64_t i = 0; i < t.n_elements(); ++i) {
+                const int64_t v = ids[i];
+                bytes.append(reinterpret_cast<const char *>(&v), 8);
+            }
+            out[name] = {"I64", {spec.ne[1], spec.ne[0]}, bytes};
+            continue;
+        }
+        const bool fp8 = spec.role == Role::dense && spec.slot != Slot::output;
+        const bool f32 = spec.slot == Slot::sinks || spec.slot == Slot::comp_ape || spec.slot == Slot::idx_comp_ape ||
+                         spec.slot == Slot::exp_probs_b || spec.slot == Slot::hc_attn_fn ||
+                         spec.slot == Slot::hc_attn_base || spec.slot == Slot::hc_attn_scale ||
+                         spec.slot == Slot::hc_ffn_fn || spec.slot == Slot::hc_ffn_base ||
+                         spec.slot == Slot::hc_ffn_scale || spec.slot == Slot::output_hc_fn ||
+                         spec.slot == Slot::output_hc_base || spec.slot == Slot::output_hc_scale;
+        std::vector<int64_t> shape = spec.ne[1] > 1 ? std::vector<int64_t>{spec.ne[1], spec.ne[0]}
+                                                    : std::vector<int64_t>{spec.ne[0]};
+        if (fp8)
+            put_fp8(name, w.data(), spec.ne[1], spec.ne[0]);
+        else
+            put_plain(name, w, shape, !f32);
+    }
+
+    // model.safetensors: header (JSON, padded to 8 bytes) and the data in header order.
+    nlohmann::json header = nlohmann::json::object();
+    std::string data;
+    for (auto & [name, e] : out) {
+        header[name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
+        data += e.bytes;
+    }
+    std::string h = header.dump();
+    h.append((8 - h.size() % 8) % 8, ' ');
+    std::string file(8, '\0');
+    const uint64_t hl = h.size();
+    std::memcpy(file.data(), &hl, 8);
+    const std::string ck = dir.file("official");
+    fs::create_directories(ck);
+    write_file_atomic(ck + "/model.safetensors", file + h + data);
+    std::vector<int> ratios;
+    for (const LayerConfig & l : c.layers) ratios.push_back(int(l.compress_ratio));
+    const nlohmann::json args = {
+        {"vocab_size", c.n_vocab}, {"dim", c.n_embd}, {"n_layers", c.n_layer}, {"n_heads", c.n_head},
+        {"head_dim", c.head_dim}, {"rope_head_dim", c.n_rot}, {"q_lora_rank", c.q_lora_rank}, {"o_groups", c.o_groups},
+        {"o_lora_rank", c.o_lora_rank}, {"moe_inter_dim", c.expert_ff}, {"n_routed_experts", c.n_expert},
+        {"n_activated_experts", c.n_expert_used}, {"n_shared_experts", 1}, {"window_size", c.window},
+        {"index_n_heads", c.indexer_heads}, {"index_head_dim", c.indexer_dim}, {"index_topk", c.indexer_top_k},
+        {"hc_mult", c.hc}, {"hc_sinkhorn_iters", c.hc_iters}, {"hc_eps", c.hc_eps}, {"norm_eps", c.norm_eps},
+        {"route_scale", c.route_scale}, {"swiglu_limit", c.layers[0].swiglu_limit}, {"score_func", "sqrtsoftplus"},
+        {"rope_theta", c.rope_base}, {"compress_rope_theta", c.rope_base_compressed}, {"rope_factor", c.yarn.factor},
+        {"original_seq_len", int64_t(c.yarn.original_context)}, {"beta_fast", c.yarn.beta_fast},
+        {"beta_slow", c.yarn.beta_slow}, {"compress_ratios", ratios}, {"n_hash_layers", c.n_hash_layers},
+        {"max_seq_len", 4096}};
+    write_file_atomic(ck + "/config.json", args.dump(1));
+
+    ConvertOptions opt;
+    convert_checkpoint(ck, dir.file("converted.gguf"), opt);
+    const GgufFile conv = GgufFile::open(dir.file("converted.gguf"));
+
+    // Exact decoding: every tensor of the converted file against the values its bytes encode.
+    size_t checked = 0;
+    for (const TensorSpec & spec : tensor_layout(c)) {
+        const GgufTensorInfo & t = *conv.find_tensor(spec.name);
+        if (t.type == GgmlType::I32) continue;
+        ASSERT_EQ(t.type, GgmlType::F32) << spec.name;
+        const float * got = reinterpret_cast<const float *>(conv.tensor_data(t));
+        std::vector<float> want;
+        const std::string o_prefix = spec.layer < 0 ? "" : "layers." + std::to_string(spec.layer) + ".";
+        if (spec.role == Role::expert_gate || spec.role == Role::expert_down) {
+            const char * wn = spec.slot == Slot::gate_exps ? "w1" : spec.slot == Slot::up_exps ? "w3" : "w2";
+            for (int64_t e = 0; e < spec.ne[2]; ++e) {
+                const auto & v = expect[o_prefix + "ffn.experts." + std::to_string(e) + "." + wn + ".weight"];
+                want.insert(want.end(), v.begin(), v.end());
+            }
+        } else {
+            want = expect[o_prefix + checkpoint_tensor_names(spec.slot).second];
+        }
+        ASSERT_EQ(int64_t(want.size()), t.n_elements()) << spec.name;
+        for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], want[i]) << spec.name << " element " << i;
+        ++checked;
+    }
+    EXPECT_GT(checked, 60u);
+
+    // The FP8/FP4 model stays close to the f32 one it was quantized from.
+    auto logits_of = [&](const GgufFile & f) {
+        auto backend = make_cpu_backend({2, false});
+        Model m(f, *backend, 16, Numerics::reference);
+        std::vector<int32_t> tokens;
+        for (int i = 0; i < 48; ++i) tokens.push_back((i * 37 + 11) % 300);
+        std::vector<float> lg(tokens.size() * 300);
+        auto state = m.new_state(64);
+        m.eval(*state, tokens, LogitsMode::all, lg.data());
+        return lg;
+    };
+    const std::vector<float> a = logits_of(ref), b = logits_of(conv);
+    int agree = 0;
+    for (size_t t = 0; t < 48; ++t)
+        agree += std::max_element(a.begin() + t * 300, a.begin() + (t + 1) * 300) - (a.begin() + t * 300) ==
+                 std::max_element(b.begin() + t * 300, b.begin() + (t + 1) * 300) - (b.begin() + t * 300);
+    std::printf("official encoding (FP8 dense, FP4 experts): top-1 agreement with the f32 model %d/48\n", agree);
+    EXPECT_GE(agree, 30);
 }
 
 // The memory plan of the real shape, by hand: per layer a ring of window + ubatch - 1 rows of 512 floats;
