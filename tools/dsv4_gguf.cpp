@@ -110,6 +110,8 @@ void print_file(const GgufFile & f, bool all) {
     fmt::print("tensor_count: {}\n", f.tensors().size());
     fmt::print("data_offset: {}\n", f.data_offset());
     fmt::print("file_size: {}\n", f.file_size());
+    if (f.n_splits() > 1)
+        fmt::print("split_files: {} (offsets below read FILE:OFFSET, FILE counting from 1)\n", f.n_splits());
 
     fmt::print("\nmetadata:\n");
     for (const GgufKv & kv : f.metadata())
@@ -121,7 +123,9 @@ void print_file(const GgufFile & f, bool all) {
     for (size_t i = 0; i < f.tensors().size(); ++i) {
         const GgufTensorInfo & t = f.tensors()[i];
         const std::string shape = fmt::format("[{}]", fmt::join(t.ne, t.ne + t.n_dims, ", "));
-        fmt::print("  {:>5}  {:<40}  {:<7}  {:<26}  {:>12}  {:>12}\n", i, t.name, type_name(t.type), shape, t.offset,
+        const std::string offset =
+            f.n_splits() > 1 ? fmt::format("{}:{}", t.split + 1, t.offset) : fmt::format("{}", t.offset);
+        fmt::print("  {:>5}  {:<40}  {:<7}  {:<26}  {:>12}  {:>12}\n", i, t.name, type_name(t.type), shape, offset,
                    t.n_bytes);
     }
 }

@@ -310,6 +310,12 @@ bool mul_overflows(uint64_t a, uint64_t b, uint64_t * out) { return __builtin_mu
 // ---------------------------------------------------------------------------------------------------------------------
 
 GgufFile GgufFile::open(const std::string & path) {
+    GgufFile f = open_one(path);
+    if (f.has("split.count")) f.open_splits();
+    return f;
+}
+
+GgufFile GgufFile::open_one(const std::string & path) {
     GgufFile f;
     f.path_ = path;
     f.file_ = std::make_shared<MappedFile>(path);
@@ -317,6 +323,37 @@ GgufFile GgufFile::open(const std::string & path) {
     f.size_ = f.file_->size();
     f.parse_all();
     return f;
+}
+
+void GgufFile::open_splits() {
+    const uint64_t count = get_u64("split.count");
+    const uint64_t no = get_u64("split.no");
+    if (count <= 1) return;
+    DSV4_CHECK(no == 0, "{}: split.no = {}: open the first file of a split model (…-00001-of-{:05}.gguf)", path_, no,
+               count);
+    DSV4_CHECK(count <= 4096, "{}: split.count = {} is not a plausible number of files", path_, count);
+    // gguf-split names the files PREFIX-%05d-of-%05d.gguf, counting from 1.
+    const std::string suffix = fmt::format("-00001-of-{:05}.gguf", count);
+    DSV4_CHECK(path_.size() > suffix.size() && path_.compare(path_.size() - suffix.size(), suffix.size(), suffix) == 0,
+               "{}: a split model of {} files must be named …{}", path_, count, suffix);
+    const std::string prefix = path_.substr(0, path_.size() - suffix.size());
+    for (uint64_t k = 1; k < count; ++k) {
+        GgufFile part = open_one(fmt::format("{}-{:05}-of-{:05}.gguf", prefix, k + 1, count));
+        DSV4_CHECK(part.get_u64("split.no") == k && part.get_u64("split.count") == count,
+                   "{}: split.no / split.count say {} of {}, expected {} of {}", part.path(), part.get_u64("split.no"),
+                   part.get_u64("split.count"), k, count);
+        for (GgufTensorInfo t : part.tensors()) {
+            t.split = uint32_t(k);
+            DSV4_CHECK(tensor_index_.emplace(t.name, tensors_.size()).second, "{}: tensor '{}' is also in {}",
+                       part.path(), t.name, path_);
+            tensors_.push_back(std::move(t));
+        }
+        splits_.push_back(std::move(part));
+    }
+    if (has("split.tensors.count"))
+        DSV4_CHECK(get_i64("split.tensors.count") == int64_t(tensors_.size()),
+                   "{}: split.tensors.count says {} tensors, the {} files hold {}", path_,
+                   get_i64("split.tensors.count"), count, tensors_.size());
 }
 
 GgufFile GgufFile::parse(const uint8_t * data, size_t size, std::string name) {

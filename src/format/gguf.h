@@ -81,6 +81,7 @@ struct GgufTensorInfo {
     int64_t ne[4] = {1, 1, 1, 1};  // ggml order: ne[0] is the contiguous axis (a weight's input width)
     uint64_t offset = 0;           // relative to the start of the data section
     uint64_t n_bytes = 0;
+    uint32_t split = 0;  // which file of a split model holds the data (0: the one opened)
 
     int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
 };
@@ -88,6 +89,9 @@ struct GgufTensorInfo {
 class GgufFile {
   public:
     // Maps and validates a file. Throws dsv4::Error naming the file and the field on any defect.
+    // A split model (llama.cpp's gguf-split: NAME-00001-of-0000N.gguf with split.no/count/tensors.count keys, the
+    // model metadata in the first file) is opened through its first file: the other files are found beside it,
+    // validated, and their tensors join one table.
     static GgufFile open(const std::string & path);
     // Parses a buffer the caller keeps alive (fuzzing, tests). `name` is used in error messages.
     static GgufFile parse(const uint8_t * data, size_t size, std::string name);
@@ -120,7 +124,11 @@ class GgufFile {
 
     const std::vector<GgufTensorInfo> & tensors() const { return tensors_; }
     const GgufTensorInfo * find_tensor(std::string_view name) const;
-    const uint8_t * tensor_data(const GgufTensorInfo & info) const { return base_ + data_offset_ + info.offset; }
+    const uint8_t * tensor_data(const GgufTensorInfo & info) const {
+        const GgufFile & holder = info.split == 0 ? *this : splits_[info.split - 1];
+        return holder.base_ + holder.data_offset_ + info.offset;
+    }
+    size_t n_splits() const { return 1 + splits_.size(); }
     const MappedFile * mapping() const { return file_.get(); }
 
   private:
@@ -131,12 +139,15 @@ class GgufFile {
     };
     using NameIndex = std::unordered_map<std::string, size_t, StringHash, std::equal_to<>>;
 
+    static GgufFile open_one(const std::string & path);
     void parse_all();
+    void open_splits();
     [[noreturn]] void key_error(std::string_view key, std::string_view problem) const;
     const GgufValue & require(std::string_view key) const;
 
     std::string path_;
     std::shared_ptr<MappedFile> file_;
+    std::vector<GgufFile> splits_;  // the other files of a split model, in order
     const uint8_t * base_ = nullptr;
     size_t size_ = 0;
     uint32_t version_ = 0;

@@ -880,4 +880,65 @@ TEST_F(GgufTest, FullSizeVocabularyParsesFast) {
     EXPECT_LT(best, 1000.0);
 }
 
+// llama.cpp's gguf-split layout: the model metadata in the first file, split.no/count/tensors.count in every file,
+// tensors spread over PREFIX-0000K-of-0000N.gguf. Opened through the first file, it reads as one model.
+TEST_F(GgufTest, SplitModelReadsAsOne) {
+    const int n_files = 3;
+    auto write_part = [&](int k, std::initializer_list<const char *> names, uint16_t no, int64_t total, bool meta) {
+        GgufWriter w(path(fmt::format("m-{:05}-of-{:05}.gguf", k + 1, n_files)));
+        if (meta) w.set("general.architecture", GgufValue::make_string("deepseek4"));
+        GgufValue split_no, split_count;
+        split_no.type = split_count.type = GgufType::UINT16;
+        split_no.u = no;
+        split_count.u = n_files;
+        w.set("split.no", split_no);
+        w.set("split.count", split_count);
+        w.set("split.tensors.count", GgufValue::make_i32(int32_t(total)));
+        for (const char * n : names) w.add_tensor(n, GgmlType::F32, {4});
+        for (size_t i = 0; i < names.size(); ++i) {
+            const float v[4] = {float(k), float(i), 1.5f, -2.0f};
+            w.write_tensor_data(v, sizeof v);
+        }
+        w.finish();
+    };
+    write_part(0, {"a", "b"}, 0, 5, true);
+    write_part(1, {"c"}, 1, 5, false);
+    write_part(2, {"d", "e"}, 2, 5, false);
+    const GgufFile f = GgufFile::open(path("m-00001-of-00003.gguf"));
+    EXPECT_EQ(f.n_splits(), 3u);
+    ASSERT_EQ(f.tensors().size(), 5u);
+    EXPECT_EQ(f.get_string("general.architecture"), "deepseek4");
+    for (const auto & [name, file, index] : {std::tuple{"a", 0, 0}, std::tuple{"c", 1, 0}, std::tuple{"e", 2, 1}}) {
+        const GgufTensorInfo * t = f.find_tensor(name);
+        ASSERT_NE(t, nullptr) << name;
+        const float * v = reinterpret_cast<const float *>(f.tensor_data(*t));
+        EXPECT_EQ(v[0], float(file)) << name;
+        EXPECT_EQ(v[1], float(index)) << name;
+        EXPECT_EQ(v[3], -2.0f) << name;
+    }
+    // Opening a later part, a missing part, a wrong tensor count or a tensor in two parts: errors naming the file.
+    try {
+        GgufFile::open(path("m-00002-of-00003.gguf"));
+        FAIL() << "opened the second part";
+    } catch (const Error & e) {
+        EXPECT_NE(std::string(e.what()).find("first file"), std::string::npos) << e.what();
+    }
+    write_part(2, {"d", "a"}, 2, 5, false);
+    try {
+        GgufFile::open(path("m-00001-of-00003.gguf"));
+        FAIL() << "accepted a tensor in two parts";
+    } catch (const Error & e) {
+        EXPECT_NE(std::string(e.what()).find("'a'"), std::string::npos) << e.what();
+    }
+    write_part(2, {"d", "e", "f"}, 2, 5, false);
+    EXPECT_THROW(GgufFile::open(path("m-00001-of-00003.gguf")), Error);
+    fs::remove(path("m-00003-of-00003.gguf"));
+    try {
+        GgufFile::open(path("m-00001-of-00003.gguf"));
+        FAIL() << "opened with a part missing";
+    } catch (const Error & e) {
+        EXPECT_NE(std::string(e.what()).find("m-00003-of-00003.gguf"), std::string::npos) << e.what();
+    }
+}
+
 }  // namespace

@@ -3,24 +3,24 @@
 // converter accepts shards and ignores extra files; the KV plan adds up.
 #include "backend/backend.h"
 #include "format/gguf.h"
+#include "format/quant.h"
 #include "model/convert.h"
 #include "model/forward.h"
 #include "model/kv_state.h"
-#include "model/synth.h"
-#include "format/quant.h"
 #include "model/layout.h"
-#include "util/half.h"
+#include "model/synth.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/half.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
 #include <cmath>
 #include <filesystem>
 #include <functional>
 #include <map>
-#include <unistd.h>
 
 using namespace dsv4;
 namespace fs = std::filesystem;
@@ -29,8 +29,9 @@ namespace {
 
 class TempDir {
   public:
-    TempDir() : path_(fs::temp_directory_path() / ("dsv4_model_test_" + std::to_string(::getpid()) + "_" +
-                                                     std::to_string(counter_++))) {
+    TempDir()
+        : path_(fs::temp_directory_path() /
+                ("dsv4_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
         fs::create_directories(path_);
     }
     ~TempDir() { fs::remove_all(path_); }
@@ -52,7 +53,7 @@ std::string mini_model(const TempDir & dir, StorageMix mix = StorageMix::f32) {
 
 // Copies a GGUF, letting `kv` drop or replace metadata and `tensor` change a tensor's declared type/shape.
 struct Edit {
-    std::function<bool(GgufKv &)> kv;                           // false: drop the key
+    std::function<bool(GgufKv &)> kv;                             // false: drop the key
     std::function<void(GgufTensorInfo &, std::string &)> tensor;  // may change type/shape; bytes are padded
 };
 
@@ -123,11 +124,12 @@ TEST(Config, MissingOrInconsistentMetadataIsNamed) {
     expect_load_error(drop("deepseek4.attention.compress_ratios"), {"bad.gguf", "compress_ratios"});
     expect_load_error(drop("deepseek4.hyper_connection.count"), {"bad.gguf", "hyper_connection.count"});
     auto set = [&](const std::string & key, GgufValue v) {
-        return rewrite(base, dir.file("bad.gguf"), {[key, v](GgufKv & kv) {
-                           if (kv.key == key) kv.value = v;
-                           return true;
-                       },
-                                                    {}});
+        return rewrite(base, dir.file("bad.gguf"),
+                       {[key, v](GgufKv & kv) {
+                            if (kv.key == key) kv.value = v;
+                            return true;
+                        },
+                        {}});
     };
     expect_load_error(set("deepseek4.attention.head_count_kv", GgufValue::make_u32(8)), {"head_count_kv", "8"});
     expect_load_error(set("deepseek4.hash_layer_count", GgufValue::make_u32(1)), {"hash_layer_count", "tid2eid"});
@@ -156,7 +158,8 @@ TEST(Weights, WrongShapeTypeOrMissingTensorIsNamed) {
                       }),
                       {"blk.2.attn_norm.weight", "q8_0"});
     expect_load_error(with_tensor_edit([](GgufTensorInfo & t, std::string & bytes) {
-                          if (t.name == "blk.0.ffn_gate_tid2eid.weight") reinterpret_cast<int32_t *>(bytes.data())[5] = 99;
+                          if (t.name == "blk.0.ffn_gate_tid2eid.weight")
+                              reinterpret_cast<int32_t *>(bytes.data())[5] = 99;
                       }),
                       {"blk.0.ffn_gate_tid2eid.weight", "99"});
     // A missing tensor: drop it by renaming.
@@ -189,6 +192,47 @@ TEST(Weights, LlamaCppWrittenFileLoadsAndRuns) {
     EXPECT_LT(worst, 0.05) << "8-bit activations drift too far from f32 activations";
 }
 
+// A model cut by llama.cpp's gguf-split (unsloth publishes its files so) is opened through its first part and
+// computes exactly what the single file computes.
+TEST(Weights, SplitFileLoadsAsOne) {
+    TempDir dir;
+    const std::string single = mini_model(dir, StorageMix::q2);
+    const GgufFile in = GgufFile::open(single);
+    const size_t n_parts = 3, n_tensors = in.tensors().size();
+    for (size_t part = 0; part < n_parts; ++part) {
+        GgufWriter w(dir.file(fmt::format("split-{:05}-of-{:05}.gguf", part + 1, n_parts)));
+        if (part == 0)
+            for (const GgufKv & kv : in.metadata()) w.set(kv.key, kv.value);
+        GgufValue no, count;
+        no.type = count.type = GgufType::UINT16;
+        no.u = part;
+        count.u = n_parts;
+        w.set("split.no", no);
+        w.set("split.count", count);
+        w.set("split.tensors.count", GgufValue::make_i32(int32_t(n_tensors)));
+        const size_t begin = part * n_tensors / n_parts, end = (part + 1) * n_tensors / n_parts;
+        for (size_t i = begin; i < end; ++i) {
+            const GgufTensorInfo & t = in.tensors()[i];
+            w.add_tensor(t.name, t.type, {t.ne[0], t.ne[1], t.ne[2], t.ne[3]});
+        }
+        for (size_t i = begin; i < end; ++i)
+            w.write_tensor_data(in.tensor_data(in.tensors()[i]), in.tensors()[i].n_bytes);
+        w.finish();
+    }
+    const GgufFile split = GgufFile::open(dir.file(fmt::format("split-00001-of-{:05}.gguf", n_parts)));
+    ASSERT_EQ(split.n_splits(), n_parts);
+    std::vector<float> logits[2];
+    for (int k = 0; k < 2; ++k) {
+        auto backend = make_cpu_backend({1, true});
+        Model m(k == 0 ? in : split, *backend, 8, Numerics::official);
+        std::vector<int32_t> tokens = {1, 5, 9, 200, 42, 7, 3, 299};
+        auto state = m.new_state(32);
+        logits[k].resize(tokens.size() * size_t(m.config().n_vocab));
+        m.eval(*state, tokens, LogitsMode::all, logits[k].data());
+    }
+    EXPECT_EQ(logits[0], logits[1]);
+}
+
 // The converter reads shards through model.safetensors.index.json, ignores files it does not need, and produces
 // the same GGUF as from one file; a missing tensor is named.
 TEST(Convert, ShardsExtraFilesAndErrors) {
@@ -213,7 +257,8 @@ TEST(Convert, ShardsExtraFilesAndErrors) {
         const int s = i++ % 2;
         const auto off = info["data_offsets"];
         const std::string bytes = data.substr(off[0].get<size_t>(), off[1].get<size_t>() - off[0].get<size_t>());
-        shards[s][name] = {{"dtype", info["dtype"]}, {"shape", info["shape"]},
+        shards[s][name] = {{"dtype", info["dtype"]},
+                           {"shape", info["shape"]},
                            {"data_offsets", {shard_data[s].size(), shard_data[s].size() + bytes.size()}}};
         shard_data[s] += bytes;
         weight_map[name] = "model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
@@ -297,7 +342,8 @@ TEST(Convert, OfficialEncodingWrittenHere) {
             for (int64_t bc = 0; bc < sc; ++bc) {
                 float amax = 0;
                 for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
-                    for (int64_t k = bc * 128; k < std::min(cols, bc * 128 + 128); ++k) amax = std::max(amax, std::fabs(w[r * cols + k]));
+                    for (int64_t k = bc * 128; k < std::min(cols, bc * 128 + 128); ++k)
+                        amax = std::max(amax, std::fabs(w[r * cols + k]));
                 const uint8_t e = e8m0_for(amax, 448.0f);
                 scales[size_t(br * sc + bc)] = char(e);
                 const float s = std::ldexp(1.0f, int(e) - 127);
@@ -333,7 +379,8 @@ TEST(Convert, OfficialEncodingWrittenHere) {
         out[name.substr(0, name.size() - 7) + ".scale"] = {"F8_E8M0", {rows, cols / 32}, scales};
         expect[name] = dec;
     };
-    auto put_plain = [&](const std::string & name, const std::vector<float> & v, std::vector<int64_t> shape, bool bf16) {
+    auto put_plain = [&](const std::string & name, const std::vector<float> & v, std::vector<int64_t> shape,
+                         bool bf16) {
         std::string bytes;
         std::vector<float> dec(v.size());
         for (size_t i = 0; i < v.size(); ++i) {
@@ -379,8 +426,8 @@ TEST(Convert, OfficialEncodingWrittenHere) {
                          spec.slot == Slot::hc_ffn_fn || spec.slot == Slot::hc_ffn_base ||
                          spec.slot == Slot::hc_ffn_scale || spec.slot == Slot::output_hc_fn ||
                          spec.slot == Slot::output_hc_base || spec.slot == Slot::output_hc_scale;
-        std::vector<int64_t> shape = spec.ne[1] > 1 ? std::vector<int64_t>{spec.ne[1], spec.ne[0]}
-                                                    : std::vector<int64_t>{spec.ne[0]};
+        std::vector<int64_t> shape =
+            spec.ne[1] > 1 ? std::vector<int64_t>{spec.ne[1], spec.ne[0]} : std::vector<int64_t>{spec.ne[0]};
         if (fp8)
             put_fp8(name, w.data(), spec.ne[1], spec.ne[0]);
         else
@@ -391,7 +438,8 @@ TEST(Convert, OfficialEncodingWrittenHere) {
     nlohmann::json header = nlohmann::json::object();
     std::string data;
     for (auto & [name, e] : out) {
-        header[name] = {{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
+        header[name] = {
+            {"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {data.size(), data.size() + e.bytes.size()}}};
         data += e.bytes;
     }
     std::string h = header.dump();
@@ -404,18 +452,39 @@ TEST(Convert, OfficialEncodingWrittenHere) {
     write_file_atomic(ck + "/model.safetensors", file + h + data);
     std::vector<int> ratios;
     for (const LayerConfig & l : c.layers) ratios.push_back(int(l.compress_ratio));
-    const nlohmann::json args = {
-        {"vocab_size", c.n_vocab}, {"dim", c.n_embd}, {"n_layers", c.n_layer}, {"n_heads", c.n_head},
-        {"head_dim", c.head_dim}, {"rope_head_dim", c.n_rot}, {"q_lora_rank", c.q_lora_rank}, {"o_groups", c.o_groups},
-        {"o_lora_rank", c.o_lora_rank}, {"moe_inter_dim", c.expert_ff}, {"n_routed_experts", c.n_expert},
-        {"n_activated_experts", c.n_expert_used}, {"n_shared_experts", 1}, {"window_size", c.window},
-        {"index_n_heads", c.indexer_heads}, {"index_head_dim", c.indexer_dim}, {"index_topk", c.indexer_top_k},
-        {"hc_mult", c.hc}, {"hc_sinkhorn_iters", c.hc_iters}, {"hc_eps", c.hc_eps}, {"norm_eps", c.norm_eps},
-        {"route_scale", c.route_scale}, {"swiglu_limit", c.layers[0].swiglu_limit}, {"score_func", "sqrtsoftplus"},
-        {"rope_theta", c.rope_base}, {"compress_rope_theta", c.rope_base_compressed}, {"rope_factor", c.yarn.factor},
-        {"original_seq_len", int64_t(c.yarn.original_context)}, {"beta_fast", c.yarn.beta_fast},
-        {"beta_slow", c.yarn.beta_slow}, {"compress_ratios", ratios}, {"n_hash_layers", c.n_hash_layers},
-        {"max_seq_len", 4096}};
+    const nlohmann::json args = {{"vocab_size", c.n_vocab},
+                                 {"dim", c.n_embd},
+                                 {"n_layers", c.n_layer},
+                                 {"n_heads", c.n_head},
+                                 {"head_dim", c.head_dim},
+                                 {"rope_head_dim", c.n_rot},
+                                 {"q_lora_rank", c.q_lora_rank},
+                                 {"o_groups", c.o_groups},
+                                 {"o_lora_rank", c.o_lora_rank},
+                                 {"moe_inter_dim", c.expert_ff},
+                                 {"n_routed_experts", c.n_expert},
+                                 {"n_activated_experts", c.n_expert_used},
+                                 {"n_shared_experts", 1},
+                                 {"window_size", c.window},
+                                 {"index_n_heads", c.indexer_heads},
+                                 {"index_head_dim", c.indexer_dim},
+                                 {"index_topk", c.indexer_top_k},
+                                 {"hc_mult", c.hc},
+                                 {"hc_sinkhorn_iters", c.hc_iters},
+                                 {"hc_eps", c.hc_eps},
+                                 {"norm_eps", c.norm_eps},
+                                 {"route_scale", c.route_scale},
+                                 {"swiglu_limit", c.layers[0].swiglu_limit},
+                                 {"score_func", "sqrtsoftplus"},
+                                 {"rope_theta", c.rope_base},
+                                 {"compress_rope_theta", c.rope_base_compressed},
+                                 {"rope_factor", c.yarn.factor},
+                                 {"original_seq_len", int64_t(c.yarn.original_context)},
+                                 {"beta_fast", c.yarn.beta_fast},
+                                 {"beta_slow", c.yarn.beta_slow},
+                                 {"compress_ratios", ratios},
+                                 {"n_hash_layers", c.n_hash_layers},
+                                 {"max_seq_len", 4096}};
     write_file_atomic(ck + "/config.json", args.dump(1));
 
     ConvertOptions opt;
