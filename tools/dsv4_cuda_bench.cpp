@@ -102,10 +102,10 @@ int print_plan(const std::string & path, int64_t n_ctx, int64_t n_ubatch, int gp
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              int gpu) {
+              const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
-    auto backend = make_cuda_backend({gpu, true});
+    auto backend = make_cuda_backend(options);
     Model model(file, *backend, n_ubatch, Numerics::reference);
     backend->synchronize();
     const ModelConfig & c = model.config();
@@ -191,8 +191,8 @@ struct Bench {
     }
 };
 
-int run_kernels(int gpu) {
-    auto backend = make_cuda_backend({gpu, true});
+int run_kernels(const CudaBackendOptions & options) {
+    auto backend = make_cuda_backend(options);
     Bench B{*backend, {}, std::mt19937_64{3}};
     std::printf("%s\n", backend->name().c_str());
     struct Mat {
@@ -272,7 +272,7 @@ int main(int argc, char ** argv) {
     std::string model, depths = "1,2048";
     int64_t n_ctx = 4096, n_decode = 32, n_ubatch = 2048;
     int gpu = 0;
-    bool plan_only = false, kernels = false, profile = false;
+    bool plan_only = false, kernels = false, profile = false, no_tensor_cores = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
     app.add_option("model", model, "GGUF model (synthetic: dsv4-synth)");
     app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
@@ -283,14 +283,18 @@ int main(int argc, char ** argv) {
     app.add_flag("--plan", plan_only, "print the memory budget for --ctx and the largest context that fits");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
+    app.add_flag("--no-tensor-cores", no_tensor_cores, "every product on the integer path (8-bit activations)");
     CLI11_PARSE(app, argc, argv);
+    CudaBackendOptions options;
+    options.device = gpu;
+    options.tensor_cores = !no_tensor_cores;
     try {
         if (profile) setenv("DSV4_CUDA_PROFILE", "1", 1);
         std::printf("%s\n", cuda_device_summary().c_str());
-        if (kernels) return run_kernels(gpu);
+        if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
         if (plan_only) return print_plan(model, n_ctx, n_ubatch, gpu);
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, gpu);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

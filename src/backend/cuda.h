@@ -13,6 +13,9 @@ namespace dsv4 {
 struct CudaBackendOptions {
     int device = 0;      // CUDA device index (--gpu)
     bool graphs = true;  // replay run_captured() sequences as CUDA graphs (false: always eager)
+    // Products of many tokens (prefill) on the tensor cores with f16 activations; false: every product on the
+    // integer dot products with 8-bit activations, the CPU backend's quantized arithmetic.
+    bool tensor_cores = true;
 };
 
 // Number of usable CUDA devices; 0 when the driver or runtime is missing or reports none (never throws).
@@ -24,6 +27,14 @@ std::unique_ptr<Backend> make_cuda_backend(const CudaBackendOptions & options = 
 // For `dsv4 --version`: runtime and driver versions and one line per GPU (name, compute capability, memory),
 // or a line saying why there is none.
 std::string cuda_device_summary();
+
+// Whether a CUDA backend with tensor_cores on runs a product of n tokens (weights of this type, rows of width k)
+// on the tensor cores rather than on the integer dot products; the same for an expert layer of n_pairs
+// (token, expert) pairs, and for attention over n tokens with heads of head_dim channels (f16 queries, keys and
+// probabilities instead of f32). Tests choose their reference by it.
+bool cuda_tensor_core_product(GgmlType type, int64_t k, int64_t n);
+bool cuda_tensor_core_moe(GgmlType gate, GgmlType down, int64_t dim, int64_t inner, int64_t n_pairs, int64_t n_expert);
+bool cuda_tensor_core_attention(int64_t head_dim, int64_t n);
 
 // Free and total device memory of a device in bytes (cudaMemGetInfo); {0, 0} when it cannot be queried.
 struct CudaMemoryInfo {

@@ -37,11 +37,14 @@ class EngineImpl final : public Engine {
         DSV4_CHECK(options.backend == "cpu" || options.backend == "cuda" || options.backend == "auto",
                    "unknown backend '{}' (cpu, cuda or auto)", options.backend);
 #if DSV4_HAVE_CUDA
-        // auto: the GPU when there is one. The CUDA backend always multiplies quantized weights with 8-bit
-        // activations (the CPU's default numerics), so quantize_activations does not apply to it.
+        // auto: the GPU when there is one. The CUDA backend decodes with 8-bit activations (the CPU's default
+        // numerics), so quantize_activations does not apply to it; its prefill runs on the tensor cores (f16
+        // activations and attention) except under reference numerics, which keep every product in f32 or on
+        // the 8-bit rules.
         if (options.backend == "cuda" || (options.backend == "auto" && cuda_device_count() > 0)) {
             CudaBackendOptions cuda;
             cuda.device = options.gpu;
+            cuda.tensor_cores = numerics != Numerics::reference;
             backend_ = make_cuda_backend(cuda);
         }
 #else

@@ -195,6 +195,10 @@ double compare(const std::string & what, const Both & t, double tol) {
     return compare(what, t.c.f32(), read_gpu(t.g), tol);
 }
 
+// Tensor-core products against f32 activations: weights and activations rounded to f16 (2^-12 relative each),
+// products summed in f32; the largest error over a product's outputs stays near 1e-3 of their RMS.
+constexpr double kTensorCoreTol = 4e-3;
+
 // For outputs that end in a rounding step (FP8, FP4): an input that differs in the last bit may round to the
 // neighbouring code, so count the elements off by more than float noise instead.
 void compare_rounded(const std::string & what, const Both & t, double max_fraction) {
@@ -246,13 +250,20 @@ TEST_P(Matmul, MatchesCpu) {
     const Both y = s.out(GgmlType::F32, m.out, m.n);
     gpu().matmul(w.g, x.g, y.g);
     cpu(true).matmul(w.c, x.c, y.c);
-    const std::string what =
-        std::string("matmul ") + std::string(type_name(m.type)) + " " + shape(w.c) + " n=" + std::to_string(m.n);
-    compare(what + " vs cpu", y, 1e-4);
-    // Against f32 activations: exact for float weights, the 8-bit activation error otherwise.
+    const bool tc = cuda_tensor_core_product(m.type, m.in, m.n);
+    const std::string what = std::string(tc ? "matmul (tensor cores) " : "matmul ") + std::string(type_name(m.type)) +
+                             " " + shape(w.c) + " n=" + std::to_string(m.n);
+    // Integer dot products: the CPU's 8-bit activation path to float noise. Tensor cores: f16 activations, so
+    // the 8-bit CPU path differs by its own quantization error.
+    compare(what + " vs cpu", y, tc ? 0.1 : 1e-4);
+    // Against f32 activations: exact for float weights, the 8-bit activation error on the integer path, the f16
+    // rounding of weights and activations on the tensor cores.
     Both yf = s.out(GgmlType::F32, m.out, m.n);
     cpu(false).matmul(w.c, x.c, yf.c);
-    compare(what + " vs cpu f32 act", yf.c.f32(), read_gpu(y.g), is_float_type(m.type) ? 1e-4 : 0.1);
+    compare(what + " vs cpu f32 act", yf.c.f32(), read_gpu(y.g),
+            tc                      ? kTensorCoreTol
+            : is_float_type(m.type) ? 1e-4
+                                    : 0.1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, Matmul,
@@ -276,18 +287,27 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::IQ2_XXS, 4096, 2048, 1}, MatCase{GgmlType::Q2_K, 2048, 4096, 1},
                              MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12},
                              // one token whose quantized row is too wide to quantize in the block
-                             MatCase{GgmlType::Q2_K, 32768, 24, 1}, MatCase{GgmlType::Q8_0, 65536, 8, 1}));
+                             MatCase{GgmlType::Q2_K, 32768, 24, 1}, MatCase{GgmlType::Q8_0, 65536, 8, 1},
+                             // prefill on the tensor cores: every type, partial tiles of rows and tokens, real shapes;
+                             // F32 and widths not a multiple of 64 stay on the integer path
+                             MatCase{GgmlType::F16, 256, 96, 64}, MatCase{GgmlType::BF16, 512, 64, 100},
+                             MatCase{GgmlType::Q8_0, 1024, 130, 77}, MatCase{GgmlType::Q2_K, 512, 70, 40},
+                             MatCase{GgmlType::Q4_K, 256, 64, 33}, MatCase{GgmlType::IQ2_XXS, 512, 70, 65},
+                             MatCase{GgmlType::MXFP4, 256, 70, 50}, MatCase{GgmlType::F32, 256, 96, 64},
+                             MatCase{GgmlType::F16, 24, 10, 40}, MatCase{GgmlType::Q8_0, 1024, 32768, 128},
+                             MatCase{GgmlType::Q8_0, 4096, 1024, 300}, MatCase{GgmlType::IQ2_XXS, 4096, 2048, 64}));
 
 TEST(Ops, MatmulGroupedOutputProjection) {
-    for (int64_t n : {1, 3, 20}) {
+    for (int64_t n : {1, 3, 20, 70}) {
         Store s;
         const int64_t G = 8, in_g = 4096, out_g = 1024;
+        const bool tc = cuda_tensor_core_product(GgmlType::Q8_0, in_g, n);
         const Both w = s.weight(GgmlType::Q8_0, in_g, G * out_g);
         const Both x = s.values(randn(size_t(G * in_g * n)), G * in_g, n);
         const Both y = s.out(GgmlType::F32, G * out_g, n);
         gpu().matmul_grouped(w.g, x.g, y.g, G);
-        cpu().matmul_grouped(w.c, x.c, y.c, G);
-        compare("matmul_grouped q8_0 o_a [4096, 8x1024] n=" + std::to_string(n), y, 1e-4);
+        cpu(!tc).matmul_grouped(w.c, x.c, y.c, G);
+        compare("matmul_grouped q8_0 o_a [4096, 8x1024] n=" + std::to_string(n), y, tc ? kTensorCoreTol : 1e-4);
     }
     Store s;
     const Both w = s.weight(GgmlType::F32, 16, 2 * 24);
@@ -320,23 +340,26 @@ TEST(Ops, MatmulMany) {
     };
     for (const Case & c : {Case{"attention", attention, 4096}, Case{"ffn", ffn, 4096}, Case{"mixed", mixed, 512},
                            Case{"11 targets", many, 256}}) {
-        for (int64_t n : {1, 5, 19}) {
+        for (int64_t n : {1, 5, 19, 48}) {
             Store s;
+            bool tc = true;
+            for (const Proj & p : c.proj) tc = tc && cuda_tensor_core_product(p.type, c.in, n);
             const Both x = s.values(randn(size_t(c.in * n)), c.in, n);
             std::vector<Both> ws, ys;
-            std::vector<MatmulTarget> tg, tc;
+            std::vector<MatmulTarget> tg, tc_targets;
             for (const Proj & p : c.proj) {
                 ws.push_back(s.weight(p.type, c.in, p.out));
                 ys.push_back(s.out(GgmlType::F32, p.out, n));
                 tg.push_back({ws.back().g, ys.back().g});
-                tc.push_back({ws.back().c, ys.back().c});
+                tc_targets.push_back({ws.back().c, ys.back().c});
             }
             gpu().matmul_many(x.g, tg);
-            cpu().matmul_many(x.c, tc);
+            cpu(!tc).matmul_many(x.c, tc_targets);
             for (size_t i = 0; i < ys.size(); ++i)
-                compare(std::string("matmul_many ") + c.name + " n=" + std::to_string(n) + " target " +
-                            std::to_string(i) + " " + std::string(type_name(c.proj[i].type)) + " " + shape(ws[i].c),
-                        ys[i], 1e-4);
+                compare(std::string("matmul_many ") + c.name + (tc ? " (tensor cores)" : "") +
+                            " n=" + std::to_string(n) + " target " + std::to_string(i) + " " +
+                            std::string(type_name(c.proj[i].type)) + " " + shape(ws[i].c),
+                        ys[i], tc ? kTensorCoreTol : 1e-4);
         }
     }
 }
@@ -348,20 +371,21 @@ TEST(Ops, SwigluMatmulAdd) {
                                  {GgmlType::F16, 2048, 256},
                                  {GgmlType::F32, 48, 36},
                                  {GgmlType::Q2_K, 512, 64}}) {
-        for (int64_t n : {1, 3, 12}) {
+        for (int64_t n : {1, 3, 12, 40}) {
             Store s;
+            const bool tc = cuda_tensor_core_product(type, in, n);
             const Both w = s.weight(type, in, out);
             const Both g = s.values(randn(size_t(in * n), 2.0f), in, n),
                        u = s.values(randn(size_t(in * n), 2.0f), in, n);
             const Both add = s.values(randn(size_t(out * n)), out, n);
             const Both y = s.out(GgmlType::F32, out, n);
             gpu().swiglu_matmul_add(w.g, g.g, u.g, 10.0f, add.g, y.g);
-            cpu().swiglu_matmul_add(w.c, g.c, u.c, 10.0f, add.c, y.c);
-            const std::string what = std::string("swiglu_matmul_add ") + std::string(type_name(type)) + " " +
-                                     shape(w.c) + " n=" + std::to_string(n);
+            cpu(!tc).swiglu_matmul_add(w.c, g.c, u.c, 10.0f, add.c, y.c);
+            const std::string what = std::string("swiglu_matmul_add ") + (tc ? "(tensor cores) " : "") +
+                                     std::string(type_name(type)) + " " + shape(w.c) + " n=" + std::to_string(n);
             // The activated values equal the CPU's to ~1 ulp; a value that lands on a code boundary can round to
             // the neighbouring 8-bit code (as in the MoE's hidden rows).
-            compare(what + " vs cpu", y, is_float_type(type) ? 1e-5 : 1e-2);
+            compare(what + " vs cpu", y, tc ? kTensorCoreTol : is_float_type(type) ? 1e-5 : 1e-2);
             // And equal to the unfused GPU ops (swiglu, matmul, add): the same arithmetic, launch for launch.
             const Both h = s.out(GgmlType::F32, in, n), p = s.out(GgmlType::F32, out, n);
             gpu().swiglu(g.g, u.g, h.g, 10.0f);
@@ -718,7 +742,13 @@ TEST(Ops, Attention) {
                            Case{"flash hca n=48", 48, 64, 512, 128, 300, 128, 0, 30000},
                            Case{"flash sliding decode", 1, 64, 512, 128, 0, 0, 0, 77},
                            Case{"flash sliding n=40 from 0", 40, 64, 512, 128, 0, 0, 0, 0},
-                           Case{"tiny csa", 7, 2, 16, 128, 40, 4, 4, 3}, Case{"tiny hca", 9, 4, 32, 8, 40, 8, 0, 60}}) {
+                           Case{"tiny csa", 7, 2, 16, 128, 40, 4, 4, 3}, Case{"tiny hca", 9, 4, 32, 8, 40, 8, 0, 60},
+                           // prefill on the tensor cores: CSA with unused selection slots, a partial head group,
+                           // keys that end inside a 64-key tile, every head width with a kernel
+                           Case{"flash csa n=64", 64, 64, 512, 128, 800, 4, 512, 2500},
+                           Case{"csa 80 heads of 128 n=33", 33, 80, 128, 128, 200, 4, 100, 500},
+                           Case{"hca 16 heads of 64 n=40", 40, 16, 64, 8, 40, 8, 0, 100},
+                           Case{"sliding 8 heads of 256 n=50", 50, 8, 256, 128, 0, 0, 0, 10}}) {
         Store s;
         const int64_t ring = c.window + c.n - 1 + 3;
         const Both q = s.values(randn(size_t(c.n * c.heads * c.dim)), c.dim, c.heads, 1, c.n);
@@ -754,7 +784,9 @@ TEST(Ops, Attention) {
         const float scale = 1.0f / std::sqrt(float(c.dim));
         gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, out.g);
         cpu().attention(q.c, raw.c, bp.c, c.window, cc, sinks.c, scale, out.c);
-        compare(std::string("attention ") + c.name, out, 2e-5);
+        // Tensor cores: queries, keys and probabilities in f16 (f32 scores and sums).
+        const bool tc = cuda_tensor_core_attention(c.dim, c.n);
+        compare(std::string(tc ? "attention (tensor cores) " : "attention ") + c.name, out, tc ? 1e-2 : 2e-5);
     }
 }
 
@@ -808,19 +840,23 @@ TEST_P(Moe, MatchesCpu) {
     const Both out = s.out(GgmlType::F32, m.dim, m.n);
     gpu().moe(x.g, ex.g, wt.g, gate.g, up.g, down.g, 10.0f, out.g);
     cpu().moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, out.c);
-    const std::string what = std::string("moe ") + std::string(type_name(m.gate)) + "/" +
+    const bool tc = cuda_tensor_core_moe(m.gate, m.down, m.dim, m.inner, m.n * m.k, m.n_expert);
+    const std::string what = std::string(tc ? "moe (tensor cores) " : "moe ") + std::string(type_name(m.gate)) + "/" +
                              std::string(type_name(m.down)) + " D=" + std::to_string(m.dim) +
                              " I=" + std::to_string(m.inner) + " E=" + std::to_string(m.n_expert) +
                              " k=" + std::to_string(m.k) + " n=" + std::to_string(m.n);
     // The hidden rows are computed, then quantized to 8 bits for the down projection: a hidden value one ulp
     // away from the CPU's can land on the neighbouring code (odds ~1e-5 per value), which moves that token's
     // outputs by ~1e-3 of their RMS. The matmul cases check the products themselves to float noise.
-    const double rel = compare(what + " vs cpu", out, 1e-2);
+    // On the tensor cores (f16 activations) the 8-bit CPU path differs by its own quantization error.
+    const double rel = compare(what + " vs cpu", out, tc ? 0.2 : 1e-2);
     Both of = s.out(GgmlType::F32, m.dim, m.n);
     cpu(false).moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, of.c);
-    const double rel_f32 =
-        compare(what + " vs cpu f32 act", of.c.f32(), read_gpu(out.g), is_float_type(m.gate) ? 1e-4 : 0.2);
-    if (!is_float_type(m.gate)) {
+    const double rel_f32 = compare(what + " vs cpu f32 act", of.c.f32(), read_gpu(out.g),
+                                   tc                      ? kTensorCoreTol
+                                   : is_float_type(m.gate) ? 1e-4
+                                                           : 0.2);
+    if (!is_float_type(m.gate) && !tc) {
         EXPECT_LT(rel, 0.25 * rel_f32) << "GPU further from the 8-bit CPU path than its own quantization noise";
     }
 }
@@ -833,7 +869,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 11},
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 4},
                                            MoeCase{GgmlType::F16, GgmlType::F16, 256, 96, 8, 2, 9},
-                                           MoeCase{GgmlType::F32, GgmlType::F32, 32, 16, 4, 1, 6}));
+                                           MoeCase{GgmlType::F32, GgmlType::F32, 32, 16, 4, 1, 6},
+                                           // prefill chunks on the tensor cores (at least 8 pairs per expert)
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 100},
+                                           MoeCase{GgmlType::Q4_K, GgmlType::Q4_K, 4096, 2048, 8, 6, 40},
+                                           MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 64},
+                                           MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},
+                                           MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64}));
 
 }  // namespace
 

@@ -4,6 +4,8 @@
 // a decode step's launches never change.
 #include "backend/cuda/common.cuh"
 
+#include <mma.h>
+
 #include <algorithm>
 #include <climits>
 
@@ -419,8 +421,12 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
     }
 }
 
+// One warp per (token, head). Each split's weight exp(m_s - max) is computed once, by its lane, and kept in
+// shared memory for the warp's pass over the output elements.
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     pdl_begin();
+    constexpr int kMaxSplits = 64, kWarpsPerBlock = 8;
+    __shared__ float weight[kWarpsPerBlock][kMaxSplits];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t th = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
     if (th >= a.n * a.heads) return;
@@ -428,21 +434,192 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     const float * part = a.partial + th * splits * (d + 2);
     const float sink = a.sinks[h];
     float mf = sink;
-    for (int s = 0; s < splits; ++s) mf = fmaxf(mf, part[s * (d + 2)]);
-    float den = expf(sink - mf);
-    for (int s = 0; s < splits; ++s) {
+    for (int s = lane; s < splits; s += 32) mf = fmaxf(mf, part[s * (d + 2)]);
+    mf = warp_max(mf);
+    float den = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
         const float ms = part[s * (d + 2)];
-        if (ms != -INFINITY) den += part[s * (d + 2) + 1] * expf(ms - mf);
+        const float wgt = ms == -INFINITY ? 0.0f : expf(ms - mf);
+        weight[warp][s] = wgt;
+        den += wgt == 0.0f ? 0.0f : part[s * (d + 2) + 1] * wgt;
     }
+    den = warp_sum(den) + expf(sink - mf);
+    __syncwarp();
     const float inv = 1.0f / den;
     for (int64_t e = lane; e < d; e += 32) {
         float acc = 0.0f;
         for (int s = 0; s < splits; ++s) {
-            const float ms = part[s * (d + 2)];
-            if (ms != -INFINITY) acc += part[s * (d + 2) + 2 + e] * expf(ms - mf);
+            const float wgt = weight[warp][s];
+            if (wgt != 0.0f) acc += part[s * (d + 2) + 2 + e] * wgt;
         }
         a.out[th * d + e] = acc * inv;
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Sink attention on the tensor cores (prefill)
+// ---------------------------------------------------------------------------------------------------------------------
+// A block per (token, 64 heads): the heads are the rows of a 64 × d query tile, and the token's keys (window,
+// then compressed rows) pass through shared memory 64 at a time as f16. Two passes: the first finds each head's
+// max score and exp-sum, the second forms exp(s - max) in f16 and accumulates P·V, so the accumulators never
+// need the rescaling an online softmax would do (WMMA fragments do not expose their element layout). The
+// scores are computed twice; on the tensor cores that costs less than the key loads.
+constexpr int kTcHeads = 64, kTcKeys = 64, kTcWarps = 8;
+
+template <int D>
+constexpr size_t attention_tc_smem() {
+    return size_t(kTcHeads + kTcKeys) * (D + 8) * 2  // query tile, key tile (f16)
+           + size_t(kTcHeads) * (kTcKeys + 4) * 4    // scores (f32)
+           + size_t(kTcHeads) * (kTcKeys + 8) * 2    // probabilities (f16)
+           + size_t(2 * kTcHeads) * 4;               // max and exp-sum per head
+}
+
+template <int D>
+__global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const AttentionArgs a) {
+    using namespace nvcuda;
+    constexpr int kLdQ = D + 8, kLdS = kTcKeys + 4, kLdP = kTcKeys + 8, kLdO = D + 4;
+    extern __shared__ __align__(128) uint8_t smem[];
+    half * qs = reinterpret_cast<half *>(smem);                         // [64 heads][kLdQ]
+    half * ks = qs + kTcHeads * kLdQ;                                   // [64 keys][kLdQ]
+    float * ss = reinterpret_cast<float *>(ks + kTcKeys * kLdQ);        // [64 heads][kLdS]
+    half * ps = reinterpret_cast<half *>(ss + kTcHeads * kLdS);         // [64 heads][kLdP]
+    float * row_max = reinterpret_cast<float *>(ps + kTcHeads * kLdP);  // [64]
+    float * row_sum = row_max + kTcHeads;                               // [64]
+    float * os = reinterpret_cast<float *>(smem);  // after the passes: [64 heads][kLdO] over the q and k tiles
+    __shared__ const float * key_ptr[kTcKeys];
+
+    pdl_begin();
+    const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * kTcHeads;
+    const KeyList kl = key_list(a, a.positions[t]);
+    const int64_t nk = kl.nw + kl.nc;
+    const int warp = threadIdx.x / 32, tid = threadIdx.x;
+
+    auto store8 = [](half * dst, const float * src) {
+        half2 h[4];
+        if (src) {
+            const float4 x0 = __ldg(reinterpret_cast<const float4 *>(src));
+            const float4 x1 = __ldg(reinterpret_cast<const float4 *>(src + 4));
+            h[0] = __floats2half2_rn(x0.x, x0.y);
+            h[1] = __floats2half2_rn(x0.z, x0.w);
+            h[2] = __floats2half2_rn(x1.x, x1.y);
+            h[3] = __floats2half2_rn(x1.z, x1.w);
+        } else {
+            for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(0.0f, 0.0f);
+        }
+        *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
+    };
+    for (int g = tid; g < kTcHeads * (D / 8); g += kTcWarps * 32) {
+        const int h = g / (D / 8), c8 = (g % (D / 8)) * 8;
+        store8(qs + h * kLdQ + c8, h0 + h < a.heads ? a.q + ((t * a.heads + h0 + h) * D + c8) : nullptr);
+    }
+    if (tid < kTcHeads) {
+        row_max[tid] = -INFINITY;
+        row_sum[tid] = 0.0f;
+    }
+    // Keys [j0, j0 + 64) into ks (unused selection slots and keys past the end: zero rows, marked null).
+    auto load_keys = [&](int64_t j0) {
+        if (tid < kTcKeys) key_ptr[tid] = j0 + tid < nk ? key_row(a, kl, t, j0 + tid) : nullptr;
+        __syncthreads();
+        for (int g = tid; g < kTcKeys * (D / 8); g += kTcWarps * 32) {
+            const int k = g / (D / 8), c8 = (g % (D / 8)) * 8;
+            store8(ks + k * kLdQ + c8, key_ptr[k] ? key_ptr[k] + c8 : nullptr);
+        }
+        __syncthreads();
+    };
+    // Scores of the 64 heads × 64 keys into ss: warp w takes head tile w / 2 and key tiles 2 (w % 2) + {0, 1}.
+    auto scores = [&]() {
+        const int ht = warp / 2, kt0 = (warp % 2) * 2;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf[2];
+        wmma::fill_fragment(sf[0], 0.0f);
+        wmma::fill_fragment(sf[1], 0.0f);
+        for (int kk = 0; kk < D; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
+            wmma::load_matrix_sync(qf, qs + ht * 16 * kLdQ + kk, kLdQ);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, ks + (kt0 + j) * 16 * kLdQ + kk, kLdQ);
+                wmma::mma_sync(sf[j], qf, kf, sf[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            wmma::store_matrix_sync(ss + ht * 16 * kLdS + (kt0 + j) * 16, sf[j], kLdS, wmma::mem_row_major);
+        __syncthreads();
+    };
+    // Four threads per head row, 16 keys each.
+    const int row = tid / 4, part = tid % 4;
+
+    for (int64_t j0 = 0; j0 < nk; j0 += kTcKeys) {
+        load_keys(j0);
+        scores();
+        float m = -INFINITY;
+        for (int k = part * 16; k < part * 16 + 16; ++k)
+            if (key_ptr[k]) m = fmaxf(m, ss[row * kLdS + k] * a.scale);
+        m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));
+        const float m_old = row_max[row], m_new = fmaxf(m_old, m);
+        float sum = 0.0f;
+        if (m_new != -INFINITY)
+            for (int k = part * 16; k < part * 16 + 16; ++k)
+                if (key_ptr[k]) sum += expf(ss[row * kLdS + k] * a.scale - m_new);
+        sum += __shfl_xor_sync(kFull, sum, 1);
+        sum += __shfl_xor_sync(kFull, sum, 2);
+        __syncthreads();  // every thread has read row_max before it changes
+        if (part == 0 && m_new != -INFINITY) {
+            row_sum[row] = (m_old == -INFINITY ? 0.0f : row_sum[row] * expf(m_old - m_new)) + sum;
+            row_max[row] = m_new;
+        }
+    }
+
+    // Warp w accumulates output tiles f = w·(D/32) + j: head tile f / (D/16), channel tile f % (D/16).
+    constexpr int kTilesPerWarp = D / 32;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[kTilesPerWarp];
+#pragma unroll
+    for (int j = 0; j < kTilesPerWarp; ++j) wmma::fill_fragment(of[j], 0.0f);
+    for (int64_t j0 = 0; j0 < nk; j0 += kTcKeys) {
+        load_keys(j0);
+        scores();
+        const float m = row_max[row];
+        for (int k = part * 16; k < part * 16 + 16; ++k)
+            ps[row * kLdP + k] =
+                __float2half_rn(key_ptr[k] && m != -INFINITY ? expf(ss[row * kLdS + k] * a.scale - m) : 0.0f);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < kTilesPerWarp; ++j) {
+            const int f = warp * kTilesPerWarp + j, ht = f / (D / 16), ct = f % (D / 16);
+#pragma unroll
+            for (int kk = 0; kk < kTcKeys; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> pf;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major> vf;
+                wmma::load_matrix_sync(pf, ps + ht * 16 * kLdP + kk, kLdP);
+                wmma::load_matrix_sync(vf, ks + kk * kLdQ + ct * 16, kLdQ);
+                wmma::mma_sync(of[j], pf, vf, of[j]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < kTilesPerWarp; ++j) {
+        const int f = warp * kTilesPerWarp + j, ht = f / (D / 16), ct = f % (D / 16);
+        wmma::store_matrix_sync(os + ht * 16 * kLdO + ct * 16, of[j], kLdO, wmma::mem_row_major);
+    }
+    __syncthreads();
+    // The sink joins the denominator, as in attention_kernel's one-split case.
+    for (int g = tid; g < kTcHeads * D; g += kTcWarps * 32) {
+        const int h = g / D, c = g % D;
+        if (h0 + h >= a.heads) break;
+        const float m = row_max[h], sink = a.sinks[h0 + h];
+        const float mf = fmaxf(m, sink);
+        const float corr = m == -INFINITY ? 0.0f : expf(m - mf);
+        a.out[(t * a.heads + h0 + h) * D + c] = os[h * kLdO + c] * corr / (row_sum[h] * corr + expf(sink - mf));
+    }
+}
+
+template <int D>
+void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
+    const dim3 grid(unsigned(a.n), unsigned((a.heads + kTcHeads - 1) / kTcHeads));
+    launch(attention_tc_kernel<D>, grid, dim3(kTcWarps * 32), attention_tc_smem<D>(), s, a);
 }
 
 int64_t max_keys(const AttentionArgs & a) { return a.window + (!a.comp ? 0 : a.selected ? a.top_k : a.comp_capacity); }
@@ -486,8 +663,24 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
 }
 
+bool attention_tensor_cores(int64_t dim, int64_t n) {
+    return n >= kGemmMinTokens && (dim == 64 || dim == 128 || dim == 256 || dim == 512);
+}
+
 void attention(const AttentionArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
+    if (a.tensor_cores && attention_tensor_cores(a.dim, a.n)) {
+        switch (a.dim) {
+            case 64:
+                return launch_attention_tc<64>(a, s);
+            case 128:
+                return launch_attention_tc<128>(a, s);
+            case 256:
+                return launch_attention_tc<256>(a, s);
+            default:
+                return launch_attention_tc<512>(a, s);
+        }
+    }
     const int splits = attention_splits(a);
     const int64_t per_split = (max_keys(a) + splits - 1) / splits;
     const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));

@@ -48,7 +48,8 @@ constexpr size_t kStageBytes = size_t(64) << 20;
 
 class CudaBackend final : public Backend {
   public:
-    explicit CudaBackend(const CudaBackendOptions & o) : dev_(o.device), graphs_enabled_(o.graphs) {
+    explicit CudaBackend(const CudaBackendOptions & o)
+        : dev_(o.device), graphs_enabled_(o.graphs), tensor_cores_(o.tensor_cores) {
         int count = 0;
         check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
         DSV4_CHECK(dev_ >= 0 && dev_ < count, "cuda: device {} does not exist ({} device(s))", dev_, count);
@@ -455,6 +456,7 @@ class CudaBackend final : public Backend {
         a.sinks = sinks.f32();
         a.scale = scale;
         a.out = out.f32();
+        a.tensor_cores = tensor_cores_;
         a.partial = static_cast<float *>(scratch(size_t(cuda::attention_partial_floats(a)) * sizeof(float)));
         cuda::attention(a, stream_);
         launched("attention");
@@ -487,13 +489,19 @@ class CudaBackend final : public Backend {
         d.t[0] = target(down, Tensor{}, dim);
         d.x_stride = inner;
         d.src_div = 1;
-        const int nt =
-            std::min(cuda::matvec_tile_tokens(gate.type, dim, n), cuda::matvec_tile_tokens(down.type, inner, n));
+        // Tensor cores once an expert sees about 8 pairs on average (a prefill chunk; 64-pair tiles, f16
+        // activations); below that the integer dot products over 8-pair tiles waste less.
+        const bool tensor_cores = tensor_cores_ &&
+                                  cuda_tensor_core_moe(gate.type, down.type, dim, inner, n_pairs, n_expert) &&
+                                  cuda::gemm_inputs_aligned(g);
+        const int nt = tensor_cores ? cuda::kGemmTileTokens
+                                    : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
+                                               cuda::matvec_tile_tokens(down.type, inner, n));
         const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
         // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and, for
         // tiles of several tokens, the quantized activations of x (per token) and of the hidden rows (per pair).
-        const bool gq = cuda::matvec_needs_quantized(gate.type, dim, nt);
-        const bool dq = cuda::matvec_needs_quantized(down.type, inner, nt);
+        const bool gq = !tensor_cores && cuda::matvec_needs_quantized(gate.type, dim, nt);
+        const bool dq = !tensor_cores && cuda::matvec_needs_quantized(down.type, inner, nt);
         auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
         const size_t ints = size_t(n_pairs + 3 * max_tiles + 1);
         const size_t ints_bytes = round_up(ints * sizeof(int32_t));
@@ -528,7 +536,10 @@ class CudaBackend final : public Backend {
             a->tiles = tiles;
             a->n_tiles = n_tiles;
             a->pairs = pairs;
-            cuda::matvec(*a, max_tiles, nt, stream_);
+            if (tensor_cores)
+                cuda::gemm(*a, max_tiles, stream_);
+            else
+                cuda::matvec(*a, max_tiles, nt, stream_);
             launched(a == &g ? "moe gate/up" : "moe down");
         }
         cuda::moe_combine(ybuf, experts.i32(), weights.f32(), n, k, n_expert, dim, out.f32(), stream_);
@@ -655,6 +666,14 @@ class CudaBackend final : public Backend {
     // or rows too wide for a block to quantize its own), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
         if (a.n <= 0) return;
+        bool tensor_cores = tensor_cores_ && cuda::gemm_inputs_aligned(a);
+        for (int i = 0; i < a.n_targets; ++i)
+            tensor_cores = tensor_cores && cuda_tensor_core_product(a.t[i].w.type, a.t[i].w.ne0, a.n);
+        if (tensor_cores) {
+            cuda::gemm(a, (a.n + cuda::kGemmTileTokens - 1) / cuda::kGemmTileTokens, stream_);
+            launched("gemm");
+            return;
+        }
         const int64_t k = a.t[0].w.ne0;
         int nt = cuda::kMaxTileTokens;
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
@@ -735,6 +754,7 @@ class CudaBackend final : public Backend {
 
     int dev_;
     bool graphs_enabled_;
+    bool tensor_cores_;  // prefill products on gemm() (CudaBackendOptions::tensor_cores)
     std::string name_;
     cudaStream_t stream_ = nullptr;
     cuda::Iq2Tables * iq2_ = nullptr;
@@ -812,12 +832,23 @@ std::string cuda_device_summary() {
     return s;
 }
 
+bool cuda_tensor_core_product(GgmlType type, int64_t k, int64_t n) {
+    return n >= cuda::kGemmMinTokens && cuda::gemm_supported(type, k);
+}
+
+bool cuda_tensor_core_moe(GgmlType gate, GgmlType down, int64_t dim, int64_t inner, int64_t n_pairs, int64_t n_expert) {
+    return cuda::gemm_supported(gate, dim) && cuda::gemm_supported(down, inner) && n_pairs >= 8 * n_expert;
+}
+
+bool cuda_tensor_core_attention(int64_t head_dim, int64_t n) { return cuda::attention_tensor_cores(head_dim, n); }
+
 uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t f = sizeof(float);
     const uint64_t pairs = uint64_t(s.n_ubatch * s.n_expert_used);
     // Hidden and output rows per pair (f32), their 8-bit copies (codes, scales, sums: < 1.5 bytes a value), ids.
-    const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f + (pairs * uint64_t(s.expert_ff) +
-                         uint64_t(s.n_ubatch * s.n_embd)) * 3 / 2 + pairs * 16 + (1 << 20);
+    const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f +
+                         (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 3 / 2 + pairs * 16 +
+                         (1 << 20);
     const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
     const uint64_t idx = std::min<uint64_t>(uint64_t(s.n_ubatch) * rows * f, uint64_t(256) << 20);
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.

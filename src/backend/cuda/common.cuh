@@ -132,8 +132,23 @@ __device__ T block_sum(T v, T * red) {
     return warp_sum(s);
 }
 
+// Calls run(sub) once per weight type among args' targets, sub holding that type's targets in their order.
+template <class Run>
+void for_each_weight_type(const MatvecArgs & args, Run && run) {
+    for (int i = 0; i < args.n_targets; ++i) {
+        bool seen = false;
+        for (int j = 0; j < i; ++j) seen = seen || args.t[j].w.type == args.t[i].w.type;
+        if (seen) continue;
+        MatvecArgs sub = args;
+        sub.n_targets = 0;
+        for (int j = i; j < args.n_targets; ++j)
+            if (args.t[j].w.type == args.t[i].w.type) sub.t[sub.n_targets++] = args.t[j];
+        run(sub);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
-// Weight elements (slow path: get_rows, small control matrices of any type)
+// Weight elements (get_rows, small control matrices of any type, tensor-core tiles)
 // ---------------------------------------------------------------------------------------------------------------------
 // Payload and scale bytes of block gb in the split layout.
 __device__ __forceinline__ const uint8_t * split_payload(const WeightRef & w, int64_t gb, int payload_bytes) {
@@ -145,8 +160,86 @@ __device__ __forceinline__ const uint8_t * split_scales(const WeightRef & w, int
 }
 __device__ __forceinline__ uint16_t ld_u16(const uint8_t * p) { return *reinterpret_cast<const uint16_t *>(p); }
 
+// Eight consecutive elements (row, col .. col + 7) of a quantized weight, col a multiple of 8: every block type
+// holds them in 8 aligned payload bytes under one scale, so one load and one scale decode serve all eight (the
+// tensor-core products decode whole tiles this way; weight_element picks one of them).
+template <GgmlType T>
+__device__ __forceinline__ void decode8(const WeightRef & w, int64_t row, int64_t col, float (&v)[8]) {
+    if constexpr (T == GgmlType::Q8_0) {
+        const int64_t gb = row * (w.ne0 / 32) + col / 32;
+        const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 32, 2)));
+        const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 32) + col % 32);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = float(int8_t((e < 4 ? q.x : q.y) >> (8 * (e % 4)))) * d;
+    } else if constexpr (T == GgmlType::MXFP4) {
+        const int64_t gb = row * (w.ne0 / 32) + col / 32;
+        const int i = int(col % 32);
+        const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 16) + (i & 15));
+        const float scale = e8m0_half(*split_scales(w, gb, 16, 1));
+        constexpr int8_t kTab[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const uint32_t byte = ((e < 4 ? q.x : q.y) >> (8 * (e % 4))) & 255;
+            v[e] = float(kTab[i < 16 ? (byte & 15) : (byte >> 4)]) * scale;
+        }
+    } else if constexpr (T == GgmlType::Q2_K) {
+        const int64_t gb = row * (w.ne0 / 256) + col / 256;
+        const int i = int(col % 256);
+        const uint8_t * p = split_payload(w, gb, 80);
+        const uint8_t * sd = split_scales(w, gb, 80, 4);
+        const float d = f16_bits_to_f32(ld_u16(sd)), dmin = f16_bits_to_f32(ld_u16(sd + 2));
+        // Element 128h + 32g + l sits in bits 2g of qs[32h + l]; its scale byte is element / 16.
+        const int h = i / 128, g = (i % 128) / 32, l = i % 32;
+        const uint8_t sc = p[i / 16];
+        const uint2 q = *reinterpret_cast<const uint2 *>(p + 16 + 32 * h + l);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int qe = int(((e < 4 ? q.x : q.y) >> (8 * (e % 4) + 2 * g)) & 3);
+            v[e] = d * float(sc & 15) * float(qe) - dmin * float(sc >> 4);
+        }
+    } else if constexpr (T == GgmlType::Q4_K) {
+        const int64_t gb = row * (w.ne0 / 256) + col / 256;
+        const int i = int(col % 256);
+        const uint8_t * b = w.data + gb * 144;
+        const float d = f16_bits_to_f32(ld_u16(b)), dmin = f16_bits_to_f32(ld_u16(b + 2));
+        const uint8_t * sc = b + 4;
+        const int j = i / 32;  // sub-block
+        int s, m;
+        if (j < 4) {
+            s = sc[j] & 63;
+            m = sc[j + 4] & 63;
+        } else {
+            s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        const uint2 q = *reinterpret_cast<const uint2 *>(b + 16 + 32 * (j / 2) + i % 32);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const uint32_t byte = ((e < 4 ? q.x : q.y) >> (8 * (e % 4))) & 255;
+            v[e] = d * float(s) * float((j & 1) ? byte >> 4 : byte & 15) - dmin * float(m);
+        }
+    } else if constexpr (T == GgmlType::IQ2_XXS) {
+        const int64_t gb = row * (w.ne0 / 256) + col / 256;
+        const int i = int(col % 256);
+        const uint8_t * p = split_payload(w, gb, 64);
+        const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 64, 2)));
+        const int g = i / 32, k = (i % 32) / 8;
+        const uint32_t idx = *reinterpret_cast<const uint32_t *>(p + 8 * g);
+        const uint32_t sgn = *reinterpret_cast<const uint32_t *>(p + 8 * g + 4);
+        const float db = d * (0.5f + float(sgn >> 28)) * 0.25f;
+        const uint64_t grid = w.iq2->grid[(idx >> (8 * k)) & 255];
+        const uint8_t signs = w.iq2->signs[(sgn >> (7 * k)) & 127];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float m = db * float((grid >> (8 * e)) & 255);
+            v[e] = (signs >> e) & 1 ? -m : m;
+        }
+    }
+}
+
 // Element (row, col) of a weight of any supported type (tables are in the upload layout).
 __device__ __forceinline__ float weight_element(const WeightRef & w, int64_t row, int64_t col) {
+    float v[8];
     switch (w.type) {
         case GgmlType::F32:
             return reinterpret_cast<const float *>(w.data)[row * w.ne0 + col];
@@ -154,67 +247,25 @@ __device__ __forceinline__ float weight_element(const WeightRef & w, int64_t row
             return f16_bits_to_f32(reinterpret_cast<const uint16_t *>(w.data)[row * w.ne0 + col]);
         case GgmlType::BF16:
             return bf16_bits_to_f32(reinterpret_cast<const uint16_t *>(w.data)[row * w.ne0 + col]);
-        case GgmlType::Q8_0: {
-            const int64_t gb = row * (w.ne0 / 32) + col / 32;
-            const int i = int(col % 32);
-            const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 32, 2)));
-            return float(int8_t(split_payload(w, gb, 32)[i])) * d;
-        }
-        case GgmlType::MXFP4: {
-            const int64_t gb = row * (w.ne0 / 32) + col / 32;
-            const int i = int(col % 32);
-            const uint8_t q = split_payload(w, gb, 16)[i & 15];
-            const int code = i < 16 ? (q & 15) : (q >> 4);
-            const int8_t kTab[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-            return float(kTab[code]) * e8m0_half(*split_scales(w, gb, 16, 1));
-        }
-        case GgmlType::Q2_K: {
-            const int64_t gb = row * (w.ne0 / 256) + col / 256;
-            const int i = int(col % 256);
-            const uint8_t * p = split_payload(w, gb, 80);
-            const uint8_t * sd = split_scales(w, gb, 80, 4);
-            const float d = f16_bits_to_f32(ld_u16(sd)), dmin = f16_bits_to_f32(ld_u16(sd + 2));
-            // Element 128h + 32g + l sits in bits 2g of qs[32h + l]; its scale byte is element / 16.
-            const int h = i / 128, g = (i % 128) / 32, l = i % 32;
-            const uint8_t sc = p[i / 16];
-            const int q = (p[16 + 32 * h + l] >> (2 * g)) & 3;
-            return d * float(sc & 15) * float(q) - dmin * float(sc >> 4);
-        }
-        case GgmlType::Q4_K: {
-            const int64_t gb = row * (w.ne0 / 256) + col / 256;
-            const int i = int(col % 256);
-            const uint8_t * b = w.data + gb * 144;
-            const float d = f16_bits_to_f32(ld_u16(b)), dmin = f16_bits_to_f32(ld_u16(b + 2));
-            const uint8_t * sc = b + 4;
-            const int j = i / 32;  // sub-block
-            int s, m;
-            if (j < 4) {
-                s = sc[j] & 63;
-                m = sc[j + 4] & 63;
-            } else {
-                s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-                m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            }
-            const uint8_t q = b[16 + 32 * (j / 2) + i % 32];
-            return d * float(s) * float((j & 1) ? q >> 4 : q & 15) - dmin * float(m);
-        }
-        case GgmlType::IQ2_XXS: {
-            const int64_t gb = row * (w.ne0 / 256) + col / 256;
-            const int i = int(col % 256);
-            const uint8_t * p = split_payload(w, gb, 64);
-            const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 64, 2)));
-            const int g = i / 32, k = (i % 32) / 8, e = i % 8;
-            const uint32_t idx = *reinterpret_cast<const uint32_t *>(p + 8 * g);
-            const uint32_t sgn = *reinterpret_cast<const uint32_t *>(p + 8 * g + 4);
-            const float db = d * (0.5f + float(sgn >> 28)) * 0.25f;
-            const uint64_t grid = w.iq2->grid[(idx >> (8 * k)) & 255];
-            const uint8_t signs = w.iq2->signs[(sgn >> (7 * k)) & 127];
-            const float v = db * float((grid >> (8 * e)) & 255);
-            return (signs >> e) & 1 ? -v : v;
-        }
+        case GgmlType::Q8_0:
+            decode8<GgmlType::Q8_0>(w, row, col & ~int64_t(7), v);
+            break;
+        case GgmlType::MXFP4:
+            decode8<GgmlType::MXFP4>(w, row, col & ~int64_t(7), v);
+            break;
+        case GgmlType::Q2_K:
+            decode8<GgmlType::Q2_K>(w, row, col & ~int64_t(7), v);
+            break;
+        case GgmlType::Q4_K:
+            decode8<GgmlType::Q4_K>(w, row, col & ~int64_t(7), v);
+            break;
+        case GgmlType::IQ2_XXS:
+            decode8<GgmlType::IQ2_XXS>(w, row, col & ~int64_t(7), v);
+            break;
         default:
             return 0.0f;
     }
+    return v[col & 7];
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

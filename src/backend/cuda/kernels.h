@@ -108,6 +108,16 @@ void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_li
 // The tile size matvec picks for n tokens of a product (expert products use it to build their tiles).
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 
+// Tensor-core products (gemm.cu) for prefill: the same arguments as matvec (targets, groups, expert tiles, glu,
+// x_up, add; xq and split unused), weights decoded to f16 tiles, activations rounded to f16, f32 accumulation.
+// Expert products plan their tiles with tile_tokens = kGemmTileTokens.
+constexpr int kGemmTileTokens = 64;
+// Below this many tokens a product stays on matvec: a 64-token tile would be mostly empty.
+constexpr int kGemmMinTokens = 32;
+bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64
+bool gemm_inputs_aligned(const MatvecArgs & a);
+void gemm(const MatvecArgs & a, int64_t max_tiles, cudaStream_t s);
+
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
@@ -228,7 +238,10 @@ struct AttentionArgs {
     int64_t n = 0, heads = 0, dim = 0;
     float * out = nullptr;      // [n, H, d]
     float * partial = nullptr;  // scratch: attention_partial_floats(...)
+    bool tensor_cores = false;  // prefill on the tensor cores (f16 queries, keys and probabilities) where it applies
 };
+// Whether attention over n tokens of head width dim runs on the tensor cores (when a.tensor_cores is set).
+bool attention_tensor_cores(int64_t dim, int64_t n);
 // Key splits the launch uses and the scratch floats they need.
 int attention_splits(const AttentionArgs & a);
 int64_t attention_partial_floats(const AttentionArgs & a);

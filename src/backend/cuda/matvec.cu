@@ -1038,16 +1038,7 @@ void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) 
     }
     if (one_type) return launch_set(args, max_tiles, nt, false, s);
     if (mix && has_q8 && has_f16) return launch_set(args, max_tiles, nt, true, s);
-    for (int i = 0; i < args.n_targets; ++i) {
-        bool seen = false;
-        for (int j = 0; j < i; ++j) seen = seen || args.t[j].w.type == args.t[i].w.type;
-        if (seen) continue;
-        MatvecArgs sub = args;
-        sub.n_targets = 0;
-        for (int j = i; j < args.n_targets; ++j)
-            if (args.t[j].w.type == args.t[i].w.type) sub.t[sub.n_targets++] = args.t[j];
-        launch_set(sub, max_tiles, nt, false, s);
-    }
+    for_each_weight_type(args, [&](const MatvecArgs & sub) { launch_set(sub, max_tiles, nt, false, s); });
 }
 
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
