@@ -2,23 +2,25 @@
 # Side by side: an existing llama.cpp build's llama-bench and dsv4-bench on the same GGUF file, on the same
 # machine, in one run, alternating (llama, dsv4, llama, dsv4, ...), then the ratios.
 #
-#   bench/compare.sh --llama-bench PATH [--runs N] [--prompt P] [--gen G] [--backend cuda|cpu] MODEL.gguf
+#   bench/compare.sh --llama-bench PATH [--runs N] [--prompt P] [--gen G] [--ubatch U] [--backend cuda|cpu] MODEL.gguf
 #
 # Measures prefill of a P-token prompt (llama-bench pp<P>, dsv4-bench's first frontier) and decode of G tokens
-# after it (llama-bench tg<G> at depth P, dsv4-bench decode at frontier P). llama-bench runs with flash attention
-# and every layer on the GPU. Nothing of llama.cpp is part of this repository: bring your own build.
+# after it (llama-bench tg<G> at depth P, dsv4-bench decode at frontier P). Both prefill in chunks of U tokens
+# (default 2048; llama-bench -b P -ub U). llama-bench runs with flash attention and every layer on the GPU.
+# Nothing of llama.cpp is part of this repository: bring your own build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-llama_bench= runs=3 prompt=2048 gen=128 backend=auto model=
+llama_bench= runs=3 prompt=2048 gen=128 ubatch=2048 backend=auto model=
 while (($#)); do
   case "$1" in
     --llama-bench) llama_bench=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --prompt) prompt=$2; shift 2 ;;
     --gen) gen=$2; shift 2 ;;
+    --ubatch) ubatch=$2; shift 2 ;;
     --backend) backend=$2; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) model=$1; shift ;;
   esac
 done
@@ -32,11 +34,11 @@ trap 'rm -rf "$work"' EXIT
 ngl=99; [[ "$backend" == cpu ]] && ngl=0
 for ((r = 1; r <= runs; ++r)); do
   echo "run $r/$runs: llama-bench" >&2
-  "$llama_bench" -m "$model" -p "$prompt" -n 0 -fa 1 -ngl "$ngl" -o csv > "$work/llama_pp.$r.csv"
+  "$llama_bench" -m "$model" -p "$prompt" -n 0 -b "$prompt" -ub "$ubatch" -fa 1 -ngl "$ngl" -o csv > "$work/llama_pp.$r.csv"
   "$llama_bench" -m "$model" -p 0 -n "$gen" -d "$prompt" -fa 1 -ngl "$ngl" -o csv > "$work/llama_tg.$r.csv"
   echo "run $r/$runs: dsv4-bench" >&2
   "$dsv4_bench" -m "$model" --backend "$backend" --first "$prompt" --ctx-max "$prompt" --gen-tokens "$gen" \
-    --ubatch "$prompt" --no-streams > "$work/dsv4.$r.csv"
+    --ubatch "$ubatch" --no-streams > "$work/dsv4.$r.csv"
 done
 
 # Medians of tokens/s: llama-bench's avg_ts column; dsv4-bench's tokens_per_s_median of the prefill and decode rows.
@@ -53,7 +55,7 @@ llama_tg=$(for f in "$work"/llama_tg.*.csv; do llama_col "$f"; done | median)
 dsv4_pp=$(for f in "$work"/dsv4.*.csv; do dsv4_col "$f" prefill; done | median)
 dsv4_tg=$(for f in "$work"/dsv4.*.csv; do dsv4_col "$f" decode; done | median)
 
-printf 'model: %s\nruns: %d, prompt %d, gen %d, backend %s\n' "$model" "$runs" "$prompt" "$gen" "$backend"
+printf 'model: %s\nruns: %d, prompt %d, gen %d, ubatch %d, backend %s\n' "$model" "$runs" "$prompt" "$gen" "$ubatch" "$backend"
 printf '%-28s %12s %12s %8s\n' metric llama.cpp dsv4 ratio
 awk -v a="$llama_pp" -v b="$dsv4_pp" -v p="$prompt" 'BEGIN {printf "%-28s %12.1f %12.1f %7.2fx\n", "prefill pp" p " (tok/s)", a, b, b / a}'
 awk -v a="$llama_tg" -v b="$dsv4_tg" -v p="$prompt" -v g="$gen" 'BEGIN {printf "%-28s %12.1f %12.1f %7.2fx\n", "decode tg" g "@" p " (tok/s)", a, b, b / a}'

@@ -872,6 +872,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::F32, GgmlType::F32, 32, 16, 4, 1, 6},
                                            // prefill chunks on the tensor cores (at least 8 pairs per expert)
                                            MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 100},
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 400},
+                                           MoeCase{GgmlType::Q4_K, GgmlType::Q4_K, 1024, 512, 8, 6, 200},
                                            MoeCase{GgmlType::Q4_K, GgmlType::Q4_K, 4096, 2048, 8, 6, 40},
                                            MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 64},
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},

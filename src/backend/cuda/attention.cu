@@ -15,15 +15,6 @@ namespace {
 
 unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
-int device_sms() {
-    static int sms[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) return 132;
-    if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-    return std::max(sms[dev], 1);
-}
-
 // ---------------------------------------------------------------------------------------------------------------------
 // Raw ring
 // ---------------------------------------------------------------------------------------------------------------------

@@ -498,8 +498,9 @@ class CudaBackend final : public Backend {
                                     : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
                                                cuda::matvec_tile_tokens(down.type, inner, n));
         const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
-        // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and, for
-        // tiles of several tokens, the quantized activations of x (per token) and of the hidden rows (per pair).
+        // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and the
+        // activations of x (per token) and of the hidden rows (per pair) as the products read them: 8-bit codes
+        // for tiles of several tokens on the integer path, f16 on the tensor cores.
         const bool gq = !tensor_cores && cuda::matvec_needs_quantized(gate.type, dim, nt);
         const bool dq = !tensor_cores && cuda::matvec_needs_quantized(down.type, inner, nt);
         auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
@@ -507,8 +508,12 @@ class CudaBackend final : public Backend {
         const size_t ints_bytes = round_up(ints * sizeof(int32_t));
         const size_t h_bytes = round_up(size_t(n_pairs * inner) * sizeof(float));
         const size_t y_bytes = round_up(size_t(n_pairs * dim) * sizeof(float));
-        const size_t xq_bytes = gq ? round_up(size_t(cuda::matvec_act_bytes(gate.type, dim, n))) : 0;
-        const size_t hq_bytes = dq ? round_up(size_t(cuda::matvec_act_bytes(down.type, inner, n_pairs))) : 0;
+        const size_t xq_bytes = tensor_cores ? round_up(size_t(n * dim) * 2)
+                                : gq         ? round_up(size_t(cuda::matvec_act_bytes(gate.type, dim, n)))
+                                             : 0;
+        const size_t hq_bytes = tensor_cores ? round_up(size_t(n_pairs * inner) * 2)
+                                : dq         ? round_up(size_t(cuda::matvec_act_bytes(down.type, inner, n_pairs)))
+                                             : 0;
         uint8_t * base = static_cast<uint8_t *>(scratch(ints_bytes + h_bytes + y_bytes + xq_bytes + hq_bytes));
         int32_t * pairs = reinterpret_cast<int32_t *>(base);
         int32_t * tiles = pairs + n_pairs;
@@ -524,12 +529,18 @@ class CudaBackend final : public Backend {
         d.x = h;
         d.t[0].y = ybuf;
         d.t[0].y_stride = dim;
-        if (gq) {
+        if (tensor_cores) {
+            cuda::gemm_activations(x.f32(), nullptr, 0, n, dim, reinterpret_cast<uint16_t *>(xq), stream_);
+            g.x_f16 = reinterpret_cast<const uint16_t *>(xq);
+        } else if (gq) {
             cuda::matvec_quantize(gate.type, x.f32(), nullptr, 0, dim, n, 1, dim, xq, stream_);
             g.xq[cuda::matvec_act_kind(gate.type)] = xq;
         }
         for (cuda::MatvecArgs * a : {&g, &d}) {
-            if (a == &d && dq) {
+            if (a == &d && tensor_cores) {
+                cuda::gemm_activations(h, nullptr, 0, n_pairs, inner, reinterpret_cast<uint16_t *>(hq), stream_);
+                d.x_f16 = reinterpret_cast<const uint16_t *>(hq);
+            } else if (a == &d && dq) {
                 cuda::matvec_quantize(down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq, stream_);
                 d.xq[cuda::matvec_act_kind(down.type)] = hq;
             }
@@ -670,6 +681,9 @@ class CudaBackend final : public Backend {
         for (int i = 0; i < a.n_targets; ++i)
             tensor_cores = tensor_cores && cuda_tensor_core_product(a.t[i].w.type, a.t[i].w.ne0, a.n);
         if (tensor_cores) {
+            uint16_t * x16 = static_cast<uint16_t *>(scratch(size_t(a.n * a.x_stride) * 2));
+            cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
+            a.x_f16 = x16;
             cuda::gemm(a, (a.n + cuda::kGemmTileTokens - 1) / cuda::kGemmTileTokens, stream_);
             launched("gemm");
             return;
@@ -845,15 +859,17 @@ bool cuda_tensor_core_attention(int64_t head_dim, int64_t n) { return cuda::atte
 uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t f = sizeof(float);
     const uint64_t pairs = uint64_t(s.n_ubatch * s.n_expert_used);
-    // Hidden and output rows per pair (f32), their 8-bit copies (codes, scales, sums: < 1.5 bytes a value), ids.
+    // Hidden and output rows per pair (f32), the activations' copies (8-bit codes, scales and sums: < 1.5 bytes
+    // a value; f16 on the tensor cores: 2), ids.
     const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f +
-                         (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 3 / 2 + pairs * 16 +
-                         (1 << 20);
+                         (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 2 + pairs * 16 + (1 << 20);
+    // A dense product's f16 activations on the tensor cores; the widest input is the attention output.
+    const uint64_t dense = uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2;
     const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
     const uint64_t idx = std::min<uint64_t>(uint64_t(s.n_ubatch) * rows * f, uint64_t(256) << 20);
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
-    return std::max({moe, idx, attn});
+    return std::max({moe, idx, attn, dense});
 }
 
 }  // namespace dsv4

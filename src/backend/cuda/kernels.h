@@ -90,6 +90,7 @@ struct MatvecArgs {
     // Quantized activations from matvec_quantize (row src·groups + group), per activation kind: [0] Q8A, [1] Q8_K.
     // Needed only where matvec_needs_quantized() says so; otherwise each block quantizes its own token's row.
     const uint8_t * xq[2] = {nullptr, nullptr};
+    const uint16_t * x_f16 = nullptr;  // gemm only: the activations as f16 bits, same layout as x
 };
 // max_tiles: the grid's tile count (plain: ceil(n / tile)); tile_tokens: tokens per tile (1..kMaxTileTokens).
 // Targets of several weight types run in one launch when the kernel for that mix exists (Q8_0 with F16: the
@@ -109,13 +110,16 @@ void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_li
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 
 // Tensor-core products (gemm.cu) for prefill: the same arguments as matvec (targets, groups, expert tiles, glu,
-// x_up, add; xq and split unused), weights decoded to f16 tiles, activations rounded to f16, f32 accumulation.
-// Expert products plan their tiles with tile_tokens = kGemmTileTokens.
+// add; split and xq unused), weights decoded to f16 tiles, f32 accumulation. The activations come rounded to
+// f16 in x_f16 (gemm_activations: rows × x_stride values, SwiGLU of x and x_up applied); expert products plan
+// their tiles with tile_tokens = kGemmTileTokens.
 constexpr int kGemmTileTokens = 64;
 // Below this many tokens a product stays on matvec: a 64-token tile would be mostly empty.
 constexpr int kGemmMinTokens = 32;
 bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64
 bool gemm_inputs_aligned(const MatvecArgs & a);
+void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, uint16_t * dst,
+                      cudaStream_t s);
 void gemm(const MatvecArgs & a, int64_t max_tiles, cudaStream_t s);
 
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one

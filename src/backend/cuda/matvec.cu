@@ -27,15 +27,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 2;
 constexpr size_t kMaxActSmem = 160 * 1024;
 
-int device_sms() {
-    static int sms[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) return 132;
-    if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-    return std::max(sms[dev], 1);
-}
-
 // ---------------------------------------------------------------------------------------------------------------------
 // Activation tiles in shared memory
 // ---------------------------------------------------------------------------------------------------------------------

@@ -209,14 +209,13 @@ __device__ __forceinline__ float fn_element(const WeightRef & w, int64_t r, int6
         return weight_element(w, r, e);
 }
 
-// Partial sums of x·x (double) and fn·x over one chunk of the hc·D stream rows of up to kHcTokensPerBlock
-// tokens: a thread owns one element of the chunk and keeps its n_mix mixing weights in registers for all the
-// block's tokens (one token per block read the 24 × 16384 mixing matrix again for every token of a prefill).
-constexpr int kHcTokensPerBlock = 16;
+// Partial sums of x·x (double) and fn·x over one chunk (kHcChunk elements) of the hc·D stream rows, two ways.
+// Decode (a few tokens): a thread owns one element and keeps its n_mix mixing weights in registers; the block
+// reduces each product over its warps, token by token. Latency-bound, so the reductions run in parallel.
 static_assert(kHcChunk == kThreadsHc, "a thread owns one element of the chunk");
 
 template <FnKind K>
-__global__ void hc_partial_kernel(HcArgs a, int n_mix) {
+__global__ void hc_partial_rows_kernel(HcArgs a, int n_mix) {
     pdl_begin();
     __shared__ float red[kThreadsHc / 32][kMaxMix];
     __shared__ double red_ss[kThreadsHc / 32];
@@ -228,8 +227,7 @@ __global__ void hc_partial_kernel(HcArgs a, int n_mix) {
     for (int r = 0; r < kMaxMix; ++r) fn[r] = inside && r < n_mix ? fn_element<K>(a.fn, r, e) : 0.0f;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t rec = mix_record(n_mix);
-    const int64_t t_end = min(a.n, int64_t(blockIdx.y + 1) * kHcTokensPerBlock);
-    for (int64_t t = int64_t(blockIdx.y) * kHcTokensPerBlock; t < t_end; ++t) {
+    for (int64_t t = blockIdx.y; t < a.n; t += gridDim.y) {
         const float v = inside ? a.streams[t * len + e] : 0.0f;
 #pragma unroll
         for (int r = 0; r < kMaxMix; ++r) {
@@ -252,6 +250,55 @@ __global__ void hc_partial_kernel(HcArgs a, int n_mix) {
             *reinterpret_cast<double *>(out) = s;
         }
         __syncthreads();
+    }
+}
+
+// Prefill: the chunk's mixing weights and kHcTokensPerBlock tokens' values go to shared memory once, and each
+// thread computes whole (token, mix) dot products. Throughput-bound: no shuffles (24 warp sums per element
+// spent most of a prefill's hc time in the decode kernel).
+constexpr int kHcTokensPerBlock = 16;
+constexpr int kHcLd = kHcChunk + 1;  // padded rows: the threads of a warp read different rows at one column
+
+template <FnKind K>
+__global__ void hc_partial_tiles_kernel(HcArgs a, int n_mix) {
+    pdl_begin();
+    extern __shared__ float hc_smem[];
+    float * fn = hc_smem;                  // [n_mix][kHcLd]
+    float * xs = hc_smem + n_mix * kHcLd;  // [kHcTokensPerBlock][kHcLd]
+    const int64_t len = a.hc * a.width;
+    const int64_t chunk = blockIdx.x, e0 = chunk * kHcChunk;
+    const int width = int(min(int64_t(kHcChunk), len - e0));
+    const int64_t t0 = int64_t(blockIdx.y) * kHcTokensPerBlock;
+    const int n_tok = int(min(int64_t(kHcTokensPerBlock), a.n - t0));
+    for (int i = threadIdx.x; i < n_mix * kHcChunk; i += blockDim.x) {
+        const int r = i / kHcChunk, c = i % kHcChunk;
+        fn[r * kHcLd + c] = c < width ? fn_element<K>(a.fn, r, e0 + c) : 0.0f;
+    }
+    for (int i = threadIdx.x; i < n_tok * kHcChunk; i += blockDim.x) {
+        const int t = i / kHcChunk, c = i % kHcChunk;
+        xs[t * kHcLd + c] = c < width ? a.streams[(t0 + t) * len + e0 + c] : 0.0f;
+    }
+    __syncthreads();
+    const int64_t rec = mix_record(n_mix);
+    for (int p = threadIdx.x; p < n_tok * (n_mix + 1); p += blockDim.x) {
+        const int t = p / (n_mix + 1), r = p % (n_mix + 1);
+        const float * x = xs + t * kHcLd;
+        float * out = a.partial + ((t0 + t) * gridDim.x + chunk) * rec;
+        // Four running sums: shorter dependency chains.
+        if (r < n_mix) {
+            const float * f = fn + r * kHcLd;
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int c = 0; c < kHcChunk; c += 4)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[j] += f[c + j] * x[c + j];
+            out[2 + r] = (s[0] + s[1]) + (s[2] + s[3]);
+        } else {
+            double ss[4] = {0, 0, 0, 0};
+            for (int c = 0; c < kHcChunk; c += 4)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) ss[j] += double(x[c + j]) * double(x[c + j]);
+            *reinterpret_cast<double *>(out) = (ss[0] + ss[1]) + (ss[2] + ss[3]);
+        }
     }
 }
 
@@ -533,16 +580,25 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int n_mix = int(hc_n_mix(a.hc, a.head));
     const int chunks = int((a.hc * a.width + kHcChunk - 1) / kHcChunk);
-    const dim3 grid(unsigned(chunks), unsigned((a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock));
+    // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
+    const bool tiles = a.n >= kHcTokensPerBlock;
+    const dim3 grid(unsigned(chunks), unsigned(tiles ? (a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock : a.n));
+    const size_t smem = tiles ? size_t(n_mix + kHcTokensPerBlock) * kHcLd * sizeof(float) : 0;
+    auto go = [&](auto rows_kernel, auto tiles_kernel) {
+        if (tiles)
+            launch(tiles_kernel, grid, dim3(kThreadsHc), smem, s, a, n_mix);
+        else
+            launch(rows_kernel, grid, dim3(kThreadsHc), smem, s, a, n_mix);
+    };
     switch (a.fn.type) {
         case GgmlType::F16:
-            launch(hc_partial_kernel<FnKind::f16>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
+            go(hc_partial_rows_kernel<FnKind::f16>, hc_partial_tiles_kernel<FnKind::f16>);
             break;
         case GgmlType::F32:
-            launch(hc_partial_kernel<FnKind::f32>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
+            go(hc_partial_rows_kernel<FnKind::f32>, hc_partial_tiles_kernel<FnKind::f32>);
             break;
         default:
-            launch(hc_partial_kernel<FnKind::any>, grid, dim3(kThreadsHc), 0, s, a, n_mix);
+            go(hc_partial_rows_kernel<FnKind::any>, hc_partial_tiles_kernel<FnKind::any>);
             break;
     }
     launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(256), a.norm ? size_t(a.width) * sizeof(float) : 0, s, a, n_mix,
