@@ -57,12 +57,12 @@ int run_dump_logits(const Options & opts) {
     const int64_t n_ctx = opts.ctx > 0 ? opts.ctx : int64_t(tokens.size());
     auto session = engine->new_session(n_ctx);
     log_info("{}: {} layers, vocab {}, backend {}, numerics {}, ubatch {}", info.path, info.n_layer, info.n_vocab,
-             info.backend, info.numerics, opts.ubatch);
+             info.backend, info.numerics, info.n_ubatch);
 
     // Chunks of ubatch tokens, each chunk's logits appended to the file: memory stays bounded for long inputs.
     AtomicFileWriter out(opts.dump_logits);
     Timer timer;
-    const size_t step = size_t(std::max<int64_t>(opts.ubatch, 1));
+    const size_t step = size_t(std::max<int64_t>(info.n_ubatch, 1));
     for (size_t i = 0; i < tokens.size(); i += step) {
         const size_t n = std::min(step, tokens.size() - i);
         session->eval(std::span<const int32_t>(tokens).subspan(i, n), true);

@@ -17,7 +17,9 @@ int main(int argc, char ** argv) {
     app.add_option("--backend", opts.backend, "cpu, cuda or auto (cuda when a GPU is present)");
     app.add_option("--gpu", opts.gpu, "CUDA device index");
     app.add_option("-t,--threads", opts.threads, "CPU threads (default: all)");
-    app.add_option("--ubatch", opts.ubatch, "prefill chunk size (1: token by token)")->check(CLI::Range(1, 1 << 20));
+    app.add_option("--ubatch", opts.ubatch,
+                   "prefill chunk size (1: token by token; default 2048 on a GPU, 256 on the CPU)")
+        ->check(CLI::Range(1, 1 << 20));
     app.add_option("-c,--ctx", opts.ctx, "context length");
     app.add_option("--numerics", opts.numerics, "official (DeepSeek's KV/indexer rounding) or reference (exact HF)");
     app.add_flag("--f32-activations", opts.f32_activations, "multiply quantized weights with f32 activations");
@@ -38,9 +40,12 @@ int main(int argc, char ** argv) {
     app.add_option("--top-k", opts.top_k, "chat: top-k sampling (default 0 = off)");
     app.add_option("--min-p", opts.min_p, "chat: min-p sampling (default 0.05)");
     app.add_option("--seed", opts.seed, "chat: sampling seed (default: random)");
-    app.add_flag_callback("--think", [&] { opts.think = "high"; }, "chat: thinking mode, high effort (default)");
-    app.add_flag_callback("--think-max", [&] { opts.think = "max"; }, "chat: Think Max (needs --ctx >= 393216)");
-    app.add_flag_callback("--nothink", [&] { opts.think = "none"; }, "chat: answer without thinking");
+    app.add_flag_callback(
+        "--think", [&] { opts.think = "high"; }, "chat: thinking mode, high effort (default)");
+    app.add_flag_callback(
+        "--think-max", [&] { opts.think = "max"; }, "chat: Think Max (needs --ctx >= 393216)");
+    app.add_flag_callback(
+        "--nothink", [&] { opts.think = "none"; }, "chat: answer without thinking");
     CLI11_PARSE(app, argc, argv);
     try {
         if (version) {

@@ -16,10 +16,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <sys/resource.h>
 #include <algorithm>
 #include <cstdio>
 #include <map>
-#include <sys/resource.h>
 
 namespace {
 
@@ -97,7 +97,7 @@ int main(int argc, char ** argv) {
     app.add_option("--backend", eo.backend, "cpu, cuda or auto");
     app.add_option("--gpu", eo.gpu, "CUDA device");
     app.add_option("-t,--threads", eo.n_threads, "CPU threads");
-    app.add_option("--ubatch", eo.n_ubatch, "prefill chunk (default 256)");
+    app.add_option("--ubatch", eo.n_ubatch, "prefill chunk (default: 2048 on a GPU, 256 on the CPU)");
     app.add_option("--numerics", eo.numerics, "official or reference");
     app.add_option("--ctx-max", ctx_max, "last context frontier (default 8192)");
     app.add_option("--first", first_frontier, "first frontier; later ones double (default 2048)");
@@ -122,17 +122,20 @@ int main(int argc, char ** argv) {
         std::vector<int32_t> ids = tok->encode(text, false);
         DSV4_CHECK(!ids.empty(), "{}: no tokens", text_path);
         const size_t book = ids.size();
-        while (int64_t(ids.size()) < std::max(ctx_max, ttft_prompt) + 1) ids.insert(ids.end(), ids.begin(), ids.begin() + book);
+        while (int64_t(ids.size()) < std::max(ctx_max, ttft_prompt) + 1)
+            ids.insert(ids.end(), ids.begin(), ids.begin() + book);
 
         std::vector<int64_t> frontiers;
         for (int64_t f = first_frontier; f < ctx_max; f *= 2) frontiers.push_back(f);
         frontiers.push_back(ctx_max);
 
-        std::printf("model,backend,measure,context,tokens,seconds_median,tokens_per_s_median,tokens_per_s_min,"
-                    "tokens_per_s_max,kv_bytes,roofline_fraction\n");
+        std::printf(
+            "model,backend,measure,context,tokens,seconds_median,tokens_per_s_median,tokens_per_s_min,"
+            "tokens_per_s_max,kv_bytes,roofline_fraction\n");
         // Names go into CSV fields: commas and quotes become semicolons so every row has exactly 11 fields.
         auto field = [](std::string v) {
-            std::replace_if(v.begin(), v.end(), [](char ch) { return ch == ',' || ch == '"'; }, ';');
+            std::replace_if(
+                v.begin(), v.end(), [](char ch) { return ch == ',' || ch == '"'; }, ';');
             return v;
         };
         const std::string model_field = field(info.name), backend_field = field(info.backend);
@@ -216,7 +219,8 @@ int main(int argc, char ** argv) {
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
             }
         std::fprintf(stderr, "peak host memory: %ld MB\n", peak_rss_mb());
-        std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", model_field.c_str(), backend_field.c_str(), peak_rss_mb());
+        std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", model_field.c_str(), backend_field.c_str(),
+                    peak_rss_mb());
         return 0;
     } catch (const Error & e) {
         log_error("{}", e.what());

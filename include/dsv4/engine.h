@@ -22,12 +22,13 @@ namespace dsv4 {
 class Tokenizer;
 
 struct EngineOptions {
-    std::string model_path;             // GGUF model file
-    std::string mtp_path;               // optional: ds4's separate MTP GGUF
-    std::string backend = "auto";       // cpu, cuda, auto (cuda when a GPU is present)
-    int gpu = 0;                        // device index for cuda
-    int n_threads = 0;                  // cpu threads (0: all)
-    int64_t n_ubatch = 256;             // largest chunk evaluated at once (prefill); scratch is sized for it
+    std::string model_path;        // GGUF model file
+    std::string mtp_path;          // optional: ds4's separate MTP GGUF
+    std::string backend = "auto";  // cpu, cuda, auto (cuda when a GPU is present)
+    int gpu = 0;                   // device index for cuda
+    int n_threads = 0;             // cpu threads (0: all)
+    int64_t n_ubatch =
+        0;  // largest chunk evaluated at once (prefill; scratch is sized for it); 0: 2048 on CUDA, 256 on the CPU
     std::string numerics = "official";  // "official" (DeepSeek's KV/indexer rounding) or "reference" (HF, exact)
     bool quantize_activations = true;   // cpu: 8-bit activations for quantized weights (faster)
 };

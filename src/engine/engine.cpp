@@ -36,6 +36,7 @@ class EngineImpl final : public Engine {
         if (!options.mtp_path.empty()) mtp_file_ = std::make_unique<GgufFile>(GgufFile::open(options.mtp_path));
         DSV4_CHECK(options.backend == "cpu" || options.backend == "cuda" || options.backend == "auto",
                    "unknown backend '{}' (cpu, cuda or auto)", options.backend);
+        bool on_gpu = false;
 #if DSV4_HAVE_CUDA
         // auto: the GPU when there is one. The CUDA backend decodes with 8-bit activations (the CPU's default
         // numerics), so quantize_activations does not apply to it; its prefill runs on the tensor cores (f16
@@ -46,6 +47,7 @@ class EngineImpl final : public Engine {
             cuda.device = options.gpu;
             cuda.tensor_cores = numerics != Numerics::reference;
             backend_ = make_cuda_backend(cuda);
+            on_gpu = true;
         }
 #else
         DSV4_CHECK(options.backend != "cuda", "backend 'cuda' is not available in this build ({})", build_backends());
@@ -56,8 +58,11 @@ class EngineImpl final : public Engine {
             cpu.quantize_activations = options.quantize_activations;
             backend_ = make_cpu_backend(cpu);
         }
+        // The GPU's prefill products need large chunks to fill the tensor cores (a 256-token chunk leaves most of
+        // the machine idle in the narrow projections); the CPU gains nothing past a few hundred tokens.
+        const int64_t n_ubatch = options.n_ubatch > 0 ? options.n_ubatch : on_gpu ? 2048 : 256;
         if (progress) progress(0.0);
-        model_ = std::make_unique<Model>(*file_, *backend_, options.n_ubatch, numerics, mtp_file_.get());
+        model_ = std::make_unique<Model>(*file_, *backend_, n_ubatch, numerics, mtp_file_.get());
         if (progress) progress(1.0);
 
         const ModelConfig & c = model_->config();
@@ -71,7 +76,7 @@ class EngineImpl final : public Engine {
         info_.n_ctx_train = c.n_ctx_train;
         info_.has_mtp = model_->weights().mtp.has_value();
         for (const GgufTensorInfo & t : file_->tensors()) info_.weight_bytes += t.n_bytes;
-        info_.n_ubatch = options.n_ubatch;
+        info_.n_ubatch = n_ubatch;
         info_.description = std::string(file_->get_string_opt("general.description").value_or(""));
         info_.random_weights = info_.description.rfind("dsv4-synth:", 0) == 0;
         info_.chat_template = std::string(file_->get_string_opt("deepseek4.chat_template_version").value_or("v4"));
