@@ -218,9 +218,13 @@ int main(int argc, char ** argv) {
                 // Aggregate tokens/s over all streams; per stream it is this divided by the stream count.
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
             }
-        std::fprintf(stderr, "peak host memory: %ld MB\n", peak_rss_mb());
+        // Device memory: what the backend held at most (0 on the CPU backend).
+        const long peak_device_mb = long(engine->peak_device_bytes() >> 20);
+        std::fprintf(stderr, "peak host memory: %ld MB, peak device memory: %ld MB\n", peak_rss_mb(), peak_device_mb);
         std::printf("%s,%s,peak_host_mb,0,0,0,%ld,0,0,0,0\n", model_field.c_str(), backend_field.c_str(),
                     peak_rss_mb());
+        std::printf("%s,%s,peak_device_mb,0,0,0,%ld,0,0,0,0\n", model_field.c_str(), backend_field.c_str(),
+                    peak_device_mb);
         return 0;
     } catch (const Error & e) {
         log_error("{}", e.what());

@@ -65,7 +65,7 @@ struct RopeSpec {
 enum class RowRounding { none, fp8, hadamard_fp4 };
 
 struct CompressedRowFinish {
-    Tensor norm;          // F32 [width]
+    Tensor norm;  // F32 [width]
     float eps = 1e-6f;
     RopeSpec rope;
     RowRounding rounding = RowRounding::none;
@@ -74,10 +74,10 @@ struct CompressedRowFinish {
 
 // Where the compressed rows that a query attends to come from (attention and the indexer).
 struct CompressedRows {
-    Tensor rows;              // F32 [capacity, width]: row b pools tokens [bR, bR + R); null when the layer has none
-    int64_t ratio = 0;        // R
-    Tensor selected;          // I32 [n_tokens, top_k]: rows chosen by the indexer (-1 = none); null means "all
-                              // rows visible to the query", i.e. b < floor((pos + 1) / R)
+    Tensor rows;        // F32 [capacity, width]: row b pools tokens [bR, bR + R); null when the layer has none
+    int64_t ratio = 0;  // R
+    Tensor selected;    // I32 [n_tokens, top_k]: rows chosen by the indexer (-1 = none); null means "all
+                        // rows visible to the query", i.e. b < floor((pos + 1) / R)
 };
 
 struct MatmulTarget {
@@ -101,6 +101,9 @@ class Backend {
                       size_t src_offset = 0) = 0;
     virtual void fill(const Tensor & dst, float value) = 0;  // F32 tensors
     virtual void synchronize() = 0;
+    // The most device memory this backend has held at once (buffers, weights, scratch, staging); 0 for a backend
+    // that works in host memory.
+    virtual uint64_t peak_device_bytes() const { return 0; }
 
     // Runs `ops`, a sequence of op calls whose shapes and buffers are fixed for a given key. A device backend may
     // capture the sequence the first time it sees the key and replay the capture afterwards (CUDA graphs for
@@ -152,9 +155,9 @@ class Backend {
     // Outputs: y [n, D] = Σ_h pre_h·stream_h, then, when norm F32 [D] is given, RMS-normed (eps_norm) and scaled
     // by it (the sublayer's input norm); post [n, hc]; comb [n, hc, hc] (source, destination), Sinkhorn-
     // normalised with `iters` iterations.
-    virtual void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
-                        int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y,
-                        const Tensor & post, const Tensor & comb) = 0;
+    virtual void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
+                        float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+                        const Tensor & comb) = 0;
     // out[t, j] = post[t, j]·o[t] + Σ_i comb[t, i, j]·streams[t, i]. out [n, hc, D] must not alias streams.
     virtual void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
                          const Tensor & out) = 0;
@@ -175,10 +178,9 @@ class Backend {
     //   overlap, rows [0, R) hold the previous complete block and rows [R, 2R) the open one; a block's row pools
     //   the first half (channels [0, width)) of the previous block's tokens and the second half of its own.
     //   Unwritten state is (value 0, score -inf).
-    virtual void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape,
-                                   const Tensor & state_kv, const Tensor & state_score, const Tensor & positions,
-                                   int64_t ratio, bool overlap, const CompressedRowFinish & finish,
-                                   const Tensor & store) = 0;
+    virtual void compressor_update(const Tensor & kv, const Tensor & score, const Tensor & ape, const Tensor & state_kv,
+                                   const Tensor & state_score, const Tensor & positions, int64_t ratio, bool overlap,
+                                   const CompressedRowFinish & finish, const Tensor & store) = 0;
     // Lightning indexer: for query t at position p = positions[t], score_b = Σ_h w[t,h]·relu(q[t,h]·keys[b])·
     // key_scale over the visible rows b < floor((p + 1) / R); writes the top_k best row ids (ascending), -1
     // padded, to selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I].

@@ -94,6 +94,7 @@ class EngineImpl final : public Engine {
     uint64_t session_bytes(int64_t n_ctx) const override {
         return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp).total();
     }
+    uint64_t peak_device_bytes() const override { return backend_->peak_device_bytes(); }
 
     Model & model() { return *model_; }
     // The model's scratch is shared: one evaluation at a time across sessions.

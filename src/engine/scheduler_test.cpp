@@ -115,6 +115,7 @@ class FakeEngine final : public Engine {
         return std::make_unique<FakeSession>(n_ctx, next_, log, chunk_, chunk_ms_);
     }
     uint64_t session_bytes(int64_t n_ctx) const override { return uint64_t(n_ctx) * 1000; }
+    uint64_t peak_device_bytes() const override { return 0; }
 
     FakeLog log;
 

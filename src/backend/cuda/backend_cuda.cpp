@@ -108,7 +108,8 @@ class CudaBackend final : public Backend {
             fail("cuda: cannot allocate {:.3f} GB on device {} ({:.3f} GB free of {:.3f} GB): {}", double(bytes) / 1e9,
                  dev_, double(m.free_bytes) / 1e9, double(m.total_bytes) / 1e9, cudaGetErrorString(e));
         }
-        return std::make_unique<DeviceBuffer>(this, p, bytes);
+        held(int64_t(std::max<size_t>(bytes, 256)));
+        return std::make_unique<DeviceBuffer>(this, p, std::max<size_t>(bytes, 256));
     }
 
     Tensor upload_weight(const Tensor & host, std::unique_ptr<BackendBuffer> * storage) override {
@@ -558,12 +559,15 @@ class CudaBackend final : public Backend {
     }
 
     // Called by DeviceBuffer: a freed buffer may be referenced by a captured graph.
-    void release(void * p) {
+    void release(void * p, size_t bytes) {
         cudaSetDevice(dev_);
         cudaStreamSynchronize(stream_);
         drop_graphs();
         cudaFree(p);
+        held(-int64_t(bytes));
     }
+
+    uint64_t peak_device_bytes() const override { return peak_bytes_; }
 
   private:
     // DSV4_CUDA_PROFILE=1: every op is bracketed by events; totals per op name print when the backend closes.
@@ -743,10 +747,13 @@ class CudaBackend final : public Backend {
         check(cudaStreamSynchronize(stream_), "synchronize (scratch)");
         drop_graphs();
         if (scratch_) cudaFree(scratch_);
+        held(-int64_t(scratch_size_));
         scratch_ = nullptr;
+        scratch_size_ = 0;
         const size_t want = bytes + bytes / 4;
         check(cudaMalloc(&scratch_, want), "cudaMalloc(scratch)");
         scratch_size_ = want;
+        held(int64_t(want));
         return scratch_;
     }
 
@@ -754,6 +761,7 @@ class CudaBackend final : public Backend {
         if (!pinned_[slot]) {
             check(cudaMallocHost(&pinned_[slot], kStageBytes), "cudaMallocHost(staging)");
             check(cudaMalloc(&dev_stage_[slot], kStageBytes), "cudaMalloc(staging)");
+            held(int64_t(kStageBytes));
             check(cudaEventCreateWithFlags(&staged_[slot], cudaEventDisableTiming), "cudaEventCreate");
             check(cudaEventRecord(staged_[slot], stream_), "cudaEventRecord");
         }
@@ -774,6 +782,13 @@ class CudaBackend final : public Backend {
     cuda::Iq2Tables * iq2_ = nullptr;
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;
+    // Device bytes held now and at most (cudaMalloc'd buffers, weights, scratch, staging).
+    int64_t held_bytes_ = 0;
+    uint64_t peak_bytes_ = 0;
+    void held(int64_t delta) {
+        held_bytes_ += delta;
+        peak_bytes_ = std::max(peak_bytes_, uint64_t(std::max<int64_t>(held_bytes_, 0)));
+    }
     void * pinned_[2] = {nullptr, nullptr};
     uint8_t * dev_stage_[2] = {nullptr, nullptr};
     cudaEvent_t staged_[2] = {nullptr, nullptr};
@@ -788,7 +803,7 @@ class CudaBackend final : public Backend {
     std::map<std::string, std::pair<int64_t, double>> profile_totals_;
 };
 
-DeviceBuffer::~DeviceBuffer() { owner_->release(ptr_); }
+DeviceBuffer::~DeviceBuffer() { owner_->release(ptr_, size_); }
 
 }  // namespace
 
