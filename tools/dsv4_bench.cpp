@@ -215,8 +215,10 @@ int main(int argc, char ** argv) {
                         }
                     agg.add(t.seconds());
                 }
-                // Aggregate tokens/s over all streams; per stream it is this divided by the stream count.
+                // Aggregate tokens/s over all streams (the CSV row); per stream it is this divided by the count.
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
+                std::fprintf(stderr, "           %ld streams: %.2f tok/s per stream\n", long(n),
+                             double(gen_tokens * n) / agg.median() / double(n));
             }
         // Device memory: what the backend held at most (0 on the CPU backend).
         const long peak_device_mb = long(engine->peak_device_bytes() >> 20);

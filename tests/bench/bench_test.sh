@@ -21,4 +21,5 @@ awk -F, 'NR > 1 && $3 !~ /^peak_/ && !($7 > 0) {bad = 1} END {exit bad}' "$work/
 awk -F, '$3 == "peak_device_mb" && $7 != 0 {bad = 1} END {exit bad}' "$work/out.csv" || fail "device memory on the CPU"
 awk -F, '$3 == "peak_host_mb" && !($7 > 0) {bad = 1} END {exit bad}' "$work/out.csv" || fail "no host memory figure"
 grep -q "peak device memory: 0 MB" "$work/err.txt" || fail "stderr lacks the memory line"
+grep -q "2 streams: .* tok/s per stream" "$work/err.txt" || fail "stderr lacks the per-stream rate"
 echo "bench_test: ok ($(($(wc -l < "$work/out.csv") - 1)) rows)"
