@@ -27,8 +27,8 @@ struct EngineOptions {
     std::string backend = "auto";  // cpu, cuda, auto (cuda when a GPU is present)
     int gpu = 0;                   // device index for cuda
     int n_threads = 0;             // cpu threads (0: all)
-    int64_t n_ubatch =
-        0;  // largest chunk evaluated at once (prefill; scratch is sized for it); 0: 2048 on CUDA, 256 on the CPU
+    // Largest chunk evaluated at once (prefill; scratch is sized for it). 0: 2048 on CUDA, 256 on the CPU.
+    int64_t n_ubatch = 0;
     std::string numerics = "official";  // "official" (DeepSeek's KV/indexer rounding) or "reference" (HF, exact)
     bool quantize_activations = true;   // cpu: 8-bit activations for quantized weights (faster)
 };

@@ -1,10 +1,10 @@
 // Tensor-core products for many tokens (prefill): the same MatvecArgs as matvec.cu (several targets, grouped
 // projections, expert tiles, SwiGLU of gate and up, a SwiGLU activation, an addend), computed tile by tile with
 // WMMA. The activations are rounded to f16 once, by gemm_activations (with their SwiGLU when x_up is given); a
-// block decodes BM = 128 weight rows × 64 columns to f16 in shared memory (decode8: one load and one scale per
-// eight weights), loads 64 tokens' f16 activations beside them and accumulates in f32. Each weight byte is read
-// once per 64 tokens instead of once per 8 with the integer dot products, each activation once per 128 rows,
-// and the multiply-adds run on the tensor cores.
+// block decodes BM = 128 weight rows (64 for small products) × 64 columns to f16 in shared memory (decode8: one
+// load and one scale per eight weights), loads 64 tokens' f16 activations beside them and accumulates in f32.
+// Each weight byte is read once per 64 tokens instead of once per 8 with the integer dot products, each
+// activation once per 128 rows, and the multiply-adds run on the tensor cores.
 //
 // Numerics: f16 activations (11-bit significand) instead of matvec's 8-bit codes, so these products are closer
 // to f32 activations than the decode path is; a weight decodes to the f16 nearest its exact value.
