@@ -274,7 +274,22 @@ void HttpServer::load() {
         const ModelInfo & mi = engine_->info();
         DSV4_CHECK(engine_->tokenizer(), "{}: the model file carries no tokenizer; the server needs one", mi.path);
         int64_t n_ctx = opt_.n_ctx;
-        if (n_ctx == 0) {
+        if (n_ctx == 0 && engine_->device_free_bytes() > 0) {
+            // Memory plan on the GPU: the KV states go to device memory, where the weights and the workspace are
+            // already allocated; 2 GiB stay free for the backend's scratch (it grows with the first long
+            // prefill), captured graphs and the runtime.
+            const uint64_t free = engine_->device_free_bytes(), reserve = uint64_t(2) << 30;
+            n_ctx = engine_->plan_context(free > reserve ? free - reserve : 0, opt_.sessions);
+            DSV4_CHECK(n_ctx > 0,
+                       "not enough GPU memory for a context: {:.1f} GiB free after the weights, {:.1f} GiB reserve; "
+                       "pass --ctx N to choose one yourself",
+                       double(free) / (1 << 30), double(reserve) / (1 << 30));
+            log_info(
+                "memory plan: {:.1f} GiB of GPU memory free after {:.1f} GiB of weights: context {} ({} "
+                "session(s) of {:.2f} GiB)",
+                double(free) / (1 << 30), double(mi.weight_bytes) / (1 << 30), n_ctx, opt_.sessions,
+                double(engine_->session_bytes(n_ctx)) / (1 << 30));
+        } else if (n_ctx == 0) {
             // Memory plan: what the system can give after the weights (mapped, and they must stay resident) and a
             // reserve for everything else.
             const uint64_t available = proc_field("/proc/meminfo", "MemAvailable");
@@ -967,12 +982,22 @@ int HttpServer::run() {
 
 }  // namespace
 
+namespace {
+volatile sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+}  // namespace
+
 int run_server(const ServerOptions & options) {
     // Signals go to one thread that asks the server to stop; every other thread (httplib's workers, the inference
-    // thread) inherits the blocked mask.
-    // A shell starts background jobs with SIGINT ignored; an ignored signal is never delivered, not even to sigwait.
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
+    // thread) inherits the blocked mask. A thread we did not create may not have it (the CUDA driver starts its
+    // own), so the signals also get a handler that only records them: with the default action, SIGTERM arriving
+    // on such a thread would kill the process instead of shutting it down. The handler also replaces SIG_IGN, with
+    // which a shell starts background jobs for SIGINT (an ignored signal is never delivered, not even to sigwait).
+    struct sigaction stop_action = {};
+    stop_action.sa_handler = on_stop_signal;
+    sigemptyset(&stop_action.sa_mask);
+    ::sigaction(SIGINT, &stop_action, nullptr);
+    ::sigaction(SIGTERM, &stop_action, nullptr);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
@@ -985,7 +1010,11 @@ int run_server(const ServerOptions & options) {
     std::thread signals([&] {
         while (!done.load()) {
             timespec timeout{0, 200 * 1000 * 1000};
-            const int sig = sigtimedwait(&set, nullptr, &timeout);
+            int sig = sigtimedwait(&set, nullptr, &timeout);
+            if (sig != SIGINT && sig != SIGTERM && g_stop_signal) {
+                sig = g_stop_signal;
+                g_stop_signal = 0;
+            }
             if (sig == SIGINT || sig == SIGTERM) {
                 log_info("received {}", sig == SIGINT ? "SIGINT" : "SIGTERM");
                 server.request_shutdown();

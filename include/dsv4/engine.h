@@ -97,6 +97,9 @@ class Engine {
     virtual uint64_t session_bytes(int64_t n_ctx) const = 0;
     // The most GPU memory the engine has held at once (weights, KV states, workspace, scratch); 0 on the CPU.
     virtual uint64_t peak_device_bytes() const = 0;
+    // Free GPU memory now (the weights and the workspace already allocated): where new sessions' KV states go.
+    // 0 on the CPU backend, whose sessions live in host memory.
+    virtual uint64_t device_free_bytes() const = 0;
     // The largest context (a multiple of kContextStep, at most the trained context when the file names one) for
     // which n_sessions sessions fit in memory_bytes; 0 when not even kContextStep fits.
     int64_t plan_context(uint64_t memory_bytes, int n_sessions) const;

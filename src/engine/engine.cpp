@@ -48,6 +48,7 @@ class EngineImpl final : public Engine {
             cuda.tensor_cores = numerics != Numerics::reference;
             backend_ = make_cuda_backend(cuda);
             on_gpu = true;
+            gpu_ = options.gpu;
         }
 #else
         DSV4_CHECK(options.backend != "cuda", "backend 'cuda' is not available in this build ({})", build_backends());
@@ -95,6 +96,12 @@ class EngineImpl final : public Engine {
         return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp).total();
     }
     uint64_t peak_device_bytes() const override { return backend_->peak_device_bytes(); }
+    uint64_t device_free_bytes() const override {
+#if DSV4_HAVE_CUDA
+        if (gpu_ >= 0) return cuda_memory_info(gpu_).free_bytes;
+#endif
+        return 0;
+    }
 
     Model & model() { return *model_; }
     // The model's scratch is shared: one evaluation at a time across sessions.
@@ -108,6 +115,7 @@ class EngineImpl final : public Engine {
     std::optional<Tokenizer> tokenizer_;
     ModelInfo info_;
     std::mutex eval_mutex_;
+    int gpu_ = -1;  // the CUDA device the backend runs on; -1 on the CPU
 
     // Hashing all weights would read the whole file (80+ GB); the tensor table, the size and 64 KiB from a few
     // tensors spread over the file tell checkpoints and quantizations apart just as well.
