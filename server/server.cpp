@@ -996,6 +996,7 @@ int run_server(const ServerOptions & options) {
     struct sigaction stop_action = {};
     stop_action.sa_handler = on_stop_signal;
     sigemptyset(&stop_action.sa_mask);
+    stop_action.sa_flags = SA_RESTART;  // the interrupted thread's system call resumes
     ::sigaction(SIGINT, &stop_action, nullptr);
     ::sigaction(SIGTERM, &stop_action, nullptr);
     sigset_t set;
