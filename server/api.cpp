@@ -215,6 +215,22 @@ ojson error_json(Style style, int status, std::string_view message, std::string_
                    {"code", code.empty() ? ojson(nullptr) : ojson(code)}}}};
 }
 
+// The end of an OpenAI stream (chat and raw completions): the last chunk, with stream_options.include_usage a
+// chunk of no choices that carries the usage (built on `usage_base`, the API's chunk fields; null without it),
+// then [DONE].
+std::string openai_stream_end(std::string last_chunk, ojson usage_base, ojson usage) {
+    if (!usage_base.is_null()) {
+        usage_base["choices"] = ojson::array();
+        usage_base["usage"] = std::move(usage);
+        last_chunk += sse_data(usage_base);
+    }
+    return last_chunk + "data: [DONE]\n\n";
+}
+
+std::string openai_error_event(const ApiError & e) {
+    return sse_data(error_json(Style::openai, e.status, e.what(), e.type, e.param, e.code)) + "data: [DONE]\n\n";
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // OpenAI chat completions
 // ---------------------------------------------------------------------------------------------------------------------
@@ -242,18 +258,10 @@ class OpenAiChatWriter final : public Writer {
         return chunk(ojson::object(), nullptr, openai_logprobs(tokenizer_, tokens));
     }
     std::string finish(const Outcome & o) override {
-        std::string out = chunk(ojson::object(), openai_finish(o));
-        if (include_usage_) {
-            ojson j = base("chat.completion.chunk");
-            j["choices"] = ojson::array();
-            j["usage"] = usage(o);
-            out += sse_data(j);
-        }
-        return out + "data: [DONE]\n\n";
+        return openai_stream_end(chunk(ojson::object(), openai_finish(o)),
+                                 include_usage_ ? base("chat.completion.chunk") : ojson(), usage(o));
     }
-    std::string error_event(const ApiError & e) override {
-        return sse_data(error_json(Style::openai, e.status, e.what(), e.type, e.param, e.code)) + "data: [DONE]\n\n";
-    }
+    std::string error_event(const ApiError & e) override { return openai_error_event(e); }
     std::string response(const Outcome & o) override {
         ojson message{{"role", "assistant"}, {"content", o.content}};
         if (!o.reasoning.empty()) message["reasoning_content"] = o.reasoning;
@@ -319,18 +327,10 @@ class CompletionWriter final : public Writer {
         return chunk("", nullptr, legacy_logprobs(tokens));
     }
     std::string finish(const Outcome & o) override {
-        std::string out = chunk("", o.finish == FinishReason::length ? "length" : "stop", nullptr);
-        if (include_usage_) {
-            ojson j = base();
-            j["choices"] = ojson::array();
-            j["usage"] = usage(o);
-            out += sse_data(j);
-        }
-        return out + "data: [DONE]\n\n";
+        return openai_stream_end(chunk("", o.finish == FinishReason::length ? "length" : "stop", nullptr),
+                                 include_usage_ ? base() : ojson(), usage(o));
     }
-    std::string error_event(const ApiError & e) override {
-        return sse_data(error_json(Style::openai, e.status, e.what(), e.type, e.param, e.code)) + "data: [DONE]\n\n";
-    }
+    std::string error_event(const ApiError & e) override { return openai_error_event(e); }
     std::string response(const Outcome & o) override {
         ojson j = base();
         j["choices"] = ojson::array({{{"text", o.content},

@@ -270,12 +270,25 @@ describe("OpenAI completions", () => {
     assert.equal(r.choices[0].logprobs.tokens.length, 5);
     // Raw prompts recognise special tokens written in the text; a BOS is added when missing.
     const s = await client.completions.create(
-      { model: "x", prompt: "<｜User｜>Hi<｜Assistant｜></think>", stream: true },
+      {
+        model: "x",
+        prompt: "<｜User｜>Hi<｜Assistant｜></think>",
+        stream: true,
+        stream_options: { include_usage: true },
+      },
       script("Hi back!"),
     );
     let text = "";
-    for await (const chunk of s) text += chunk.choices[0]?.text ?? "";
+    let usage = null;
+    for await (const chunk of s) {
+      text += chunk.choices[0]?.text ?? "";
+      if (chunk.usage) {
+        assert.equal(chunk.choices.length, 0, "the usage chunk carries no choices");
+        usage = chunk.usage;
+      }
+    }
     assert.equal(text, "Hi back!");
+    assert.ok(usage.completion_tokens > 0);
   });
 });
 
