@@ -158,21 +158,8 @@ class ToolMemory {
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Process numbers for /metrics and the memory plan
+// Request authentication
 // ---------------------------------------------------------------------------------------------------------------------
-
-// A "Key:   value kB" field of /proc/self/status or /proc/meminfo, in bytes (or the bare number).
-uint64_t proc_field(const char * file, const char * key) {
-    std::ifstream in(file);
-    std::string line;
-    const size_t n = std::strlen(key);
-    while (std::getline(in, line)) {
-        if (line.compare(0, n, key) != 0 || line.size() <= n || line[n] != ':') continue;
-        uint64_t v = std::strtoull(line.c_str() + n + 1, nullptr, 10);
-        return line.find("kB") != std::string::npos ? v * 1024 : v;
-    }
-    return 0;
-}
 
 bool constant_time_equal(std::string_view a, std::string_view b) {
     unsigned char diff = a.size() == b.size() ? 0 : 1;
@@ -245,7 +232,9 @@ class HttpServer {
     ServerOptions opt_;
     httplib::Server svr_;
     std::atomic<State> state_{State::loading};
-    std::atomic<double> progress_{0};
+    std::atomic<double> progress_{0};         // of the weights' bytes
+    std::atomic<double> load_gb_per_s_{0};    // weight loading rate so far
+    std::atomic<uint64_t> loaded_bytes_{0};
     std::unique_ptr<Engine> engine_;
     std::unique_ptr<Scheduler> scheduler_;
     api::ServerInfo info_;
@@ -270,42 +259,28 @@ void HttpServer::load() {
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
 #endif
-        engine_ = Engine::open(opt_.engine, [&](double p) { progress_.store(p); });
+        // The memory plan comes first: a context that cannot fit is refused before gigabytes are loaded, with
+        // the largest one that would; --ctx auto takes that one.
+        const MemoryPlan plan = Engine::plan(opt_.engine, opt_.n_ctx, opt_.sessions);
+        int64_t n_ctx = opt_.n_ctx;
+        if (n_ctx == 0) {
+            DSV4_CHECK(plan.max_ctx > 0, "--ctx auto: no context fits ({:.1f} GiB of weights, {:.1f} GiB available in {})",
+                       double(plan.weights) / (1 << 30), double(plan.available) / (1 << 30), plan.device);
+            n_ctx = plan.max_ctx;
+        } else {
+            plan.require_fit();
+        }
+        log_info("memory plan: context {}, {} session(s) of {:.2f} GiB, {:.1f} GiB of weights, {:.1f} GiB in all of "
+                 "{:.1f} GiB available in {} (largest context that fits: {})",
+                 n_ctx, opt_.sessions, double(plan.kv_per_session()) / (1 << 30), double(plan.weights) / (1 << 30),
+                 double(plan.total()) / (1 << 30), double(plan.available) / (1 << 30), plan.device, plan.max_ctx);
+        engine_ = Engine::open(opt_.engine, [&](const LoadProgress & p) {
+            progress_.store(p.fraction());
+            load_gb_per_s_.store(p.gb_per_s());
+            loaded_bytes_.store(p.bytes_done);
+        });
         const ModelInfo & mi = engine_->info();
         DSV4_CHECK(engine_->tokenizer(), "{}: the model file carries no tokenizer; the server needs one", mi.path);
-        int64_t n_ctx = opt_.n_ctx;
-        if (n_ctx == 0 && engine_->device_free_bytes() > 0) {
-            // Memory plan on the GPU: the KV states go to device memory, where the weights and the workspace are
-            // already allocated; 2 GiB stay free for the backend's scratch (it grows with the first long
-            // prefill), captured graphs and the runtime.
-            const uint64_t free = engine_->device_free_bytes(), reserve = uint64_t(2) << 30;
-            n_ctx = engine_->plan_context(free > reserve ? free - reserve : 0, opt_.sessions);
-            DSV4_CHECK(n_ctx > 0,
-                       "not enough GPU memory for a context: {:.1f} GiB free after the weights, {:.1f} GiB reserve; "
-                       "pass --ctx N to choose one yourself",
-                       double(free) / (1 << 30), double(reserve) / (1 << 30));
-            log_info(
-                "memory plan: {:.1f} GiB of GPU memory free after {:.1f} GiB of weights: context {} ({} "
-                "session(s) of {:.2f} GiB)",
-                double(free) / (1 << 30), double(mi.weight_bytes) / (1 << 30), n_ctx, opt_.sessions,
-                double(engine_->session_bytes(n_ctx)) / (1 << 30));
-        } else if (n_ctx == 0) {
-            // Memory plan: what the system can give after the weights (mapped, and they must stay resident) and a
-            // reserve for everything else.
-            const uint64_t available = proc_field("/proc/meminfo", "MemAvailable");
-            const uint64_t total = proc_field("/proc/meminfo", "MemTotal");
-            const uint64_t reserve = std::max<uint64_t>(uint64_t(1) << 30, total / 10);
-            const uint64_t budget = available > mi.weight_bytes + reserve ? available - mi.weight_bytes - reserve : 0;
-            n_ctx = engine_->plan_context(budget, opt_.sessions);
-            DSV4_CHECK(n_ctx > 0,
-                       "not enough memory for a context: {:.1f} GiB available, {:.1f} GiB of weights, {:.1f} GiB "
-                       "reserve; pass --ctx N to choose one yourself",
-                       double(available) / (1 << 30), double(mi.weight_bytes) / (1 << 30), double(reserve) / (1 << 30));
-            log_info(
-                "memory plan: {:.1f} GiB available, {:.1f} GiB of weights: context {} ({} session(s) of {:.2f} GiB)",
-                double(available) / (1 << 30), double(mi.weight_bytes) / (1 << 30), n_ctx, opt_.sessions,
-                double(engine_->session_bytes(n_ctx)) / (1 << 30));
-        }
         SchedulerOptions so;
         so.n_ctx = n_ctx;
         so.n_sessions = opt_.sessions;
@@ -895,7 +870,11 @@ void HttpServer::routes() {
         }
         res.status = 503;
         const char * status = s == State::loading ? "loading" : s == State::failed ? "failed" : "shutting_down";
-        res.set_content(dump({{"status", status}, {"progress", progress_.load()}}), "application/json");
+        res.set_content(dump({{"status", status},
+                              {"progress", progress_.load()},
+                              {"loaded_bytes", loaded_bytes_.load()},
+                              {"load_gb_per_s", load_gb_per_s_.load()}}),
+                        "application/json");
     });
     svr_.Get("/metrics", [this](const httplib::Request &, httplib::Response & res) {
         res.set_content(metrics(), "text/plain; version=0.0.4");

@@ -19,7 +19,7 @@ struct ServerOptions {
     EngineOptions engine;
     std::string host = "127.0.0.1";
     int port = 8000;
-    int64_t n_ctx = 32768;    // 0: the largest the memory plan allows (Engine::plan_context)
+    int64_t n_ctx = 32768;    // 0: the largest the memory plan allows (Engine::plan)
     int sessions = 2;         // live KV timelines
     std::string model_id;     // what /v1/models lists; default from the model
     int64_t max_output = 0;   // default and cap of a reply (0: whatever the context leaves)

@@ -25,6 +25,7 @@ struct Options {
     std::string tokenize_file;          // --tokenize-file FILE: print ids (raw rules) as a JSON array
     std::string detokenize_file;        // --detokenize-file IDS.json: print the text
     std::string render_chat_file;       // --render-chat REQUEST.json: print the rendered prompt
+    bool plan = false;                  // --plan: print the memory plan for --ctx (0: the largest that fits)
 
     // Chat (cli_chat.cpp): one-shot with -p / --prompt-file, interactive otherwise.
     std::string prompt;          // -p TEXT
@@ -41,6 +42,7 @@ struct Options {
 
 EngineOptions engine_options(const Options & opts);  // cli_eval.cpp
 int run_dump_logits(const Options & opts);           // cli_eval.cpp
+int run_plan(const Options & opts);                  // cli_eval.cpp: exit 1 when the context does not fit
 int run_tokenize(const Options & opts);              // cli_tokenize.cpp
 int run_detokenize(const Options & opts);            // cli_tokenize.cpp
 int run_render_chat(const Options & opts);           // cli_render.cpp

@@ -34,12 +34,28 @@ constexpr int64_t kDefaultContext = 32768;
 
 class Chat {
   public:
-    explicit Chat(const Options & opts) : opts_(opts), engine_(Engine::open(engine_options(opts))) {
+    explicit Chat(const Options & opts) : opts_(opts), engine_(open_engine(opts)) {
         DSV4_CHECK(engine_->tokenizer(), "{}: the model file has no tokenizer; chat needs one", opts.model);
         version_ = parse_chat_template_version(engine_->info().chat_template);
         set_ctx(opts.ctx > 0 ? opts.ctx : kDefaultContext);
         set_think(opts.think);
         color_ = isatty(2);
+    }
+
+    // Refuses a context that cannot fit before loading gigabytes of weights; on a terminal, shows the load.
+    static std::unique_ptr<Engine> open_engine(const Options & opts) {
+        Engine::plan(engine_options(opts), opts.ctx > 0 ? opts.ctx : kDefaultContext).require_fit();
+        int shown = -1;
+        const bool tty = isatty(2);
+        auto engine = Engine::open(engine_options(opts), [&](const LoadProgress & p) {
+            const int percent = int(100 * p.fraction());
+            if (!tty || percent == shown) return;
+            shown = percent;
+            std::fprintf(stderr, "\rloading %s: %3d%% (%.1f of %.1f GB, %.2f GB/s)", opts.model.c_str(), percent,
+                         double(p.bytes_done) / 1e9, double(p.bytes_total) / 1e9, p.gb_per_s());
+        });
+        if (tty) std::fputc('\n', stderr);
+        return engine;
     }
 
     void banner() const {

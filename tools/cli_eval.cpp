@@ -1,5 +1,6 @@
 // `dsv4 --tokens-file T.json --dump-logits OUT.f32`: evaluates token ids and writes the logits of every position
 // (little-endian float32, row-major [n_tokens, n_vocab]). A stable contract: regression checks depend on it.
+// `dsv4 --plan -m MODEL [--ctx N]`: the memory plan (Engine::plan) without loading anything.
 #include "dsv4/engine.h"
 #include "tools/cli.h"
 #include "util/error.h"
@@ -8,6 +9,8 @@
 #include "util/timer.h"
 
 #include <nlohmann/json.hpp>
+
+#include <cstdio>
 
 namespace dsv4::cli {
 
@@ -46,6 +49,13 @@ EngineOptions engine_options(const Options & opts) {
     e.numerics = opts.numerics;
     e.quantize_activations = !opts.f32_activations;
     return e;
+}
+
+int run_plan(const Options & opts) {
+    DSV4_CHECK(!opts.model.empty(), "--plan needs a model (-m)");
+    const MemoryPlan p = Engine::plan(engine_options(opts), opts.ctx);
+    std::printf("model       %s\n%s\n", opts.model.c_str(), p.describe().c_str());
+    return p.fits() ? 0 : 1;
 }
 
 int run_dump_logits(const Options & opts) {

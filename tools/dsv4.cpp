@@ -21,6 +21,7 @@ int main(int argc, char ** argv) {
                    "prefill chunk size (1: token by token; default 2048 on a GPU, 256 on the CPU)")
         ->check(CLI::Range(1, 1 << 20));
     app.add_option("-c,--ctx", opts.ctx, "context length");
+    app.add_flag("--plan", opts.plan, "print the memory needed for --ctx (weights, KV state, scratch) and exit");
     app.add_option("--numerics", opts.numerics, "official (DeepSeek's KV/indexer rounding) or reference (exact HF)");
     app.add_flag("--f32-activations", opts.f32_activations, "multiply quantized weights with f32 activations");
     app.add_option("--tokens-file", opts.tokens_file, "token ids to evaluate (JSON array or {\"tokens\": [...]})");
@@ -52,6 +53,7 @@ int main(int argc, char ** argv) {
             std::printf("%s\n", version_string().c_str());
             return 0;
         }
+        if (opts.plan) return cli::run_plan(opts);
         if (!opts.dump_logits.empty()) return cli::run_dump_logits(opts);
         if (!opts.tokenize_file.empty()) return cli::run_tokenize(opts);
         if (!opts.detokenize_file.empty()) return cli::run_detokenize(opts);

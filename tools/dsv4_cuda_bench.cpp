@@ -1,6 +1,5 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
 //   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048]   prefill to each depth, then decode
-//   dsv4-cuda-bench MODEL --plan --ctx N                                       memory budget for a context
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
 // Decode timings include the per-token host work of Model::eval (writing the token, reading the logits).
 #include "backend/cuda.h"
@@ -36,69 +35,6 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
             b += double(t.n_bytes);
     }
     return b;
-}
-
-// Scratch activations of Model's workspace per token of a chunk (forward.cpp's Workspace), in floats.
-double workspace_floats_per_token(const ModelConfig & c) {
-    const double D = double(c.n_embd), hc = double(c.hc), d = double(c.head_dim);
-    double f = 2 * hc * D + 3 * D + hc + hc * hc + double(c.q_lora_rank) + 2 * double(c.n_head) * d + d +
-               double(c.o_groups * c.o_lora_rank) + 4 * d + double(c.n_expert) + 2 * double(c.n_expert_used) +
-               2 * double(c.expert_ff) + D + double(c.n_vocab) + 2;
-    if (c.indexer_dim > 0)
-        f += double(c.indexer_heads * c.indexer_dim + c.indexer_heads + 4 * c.indexer_dim + c.indexer_top_k);
-    return f;
-}
-
-struct Plan {
-    uint64_t weights = 0, kv = 0, workspace = 0, scratch = 0;
-    uint64_t total() const { return weights + kv + workspace + scratch; }
-};
-
-Plan plan(const GgufFile & file, const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch) {
-    Plan p;
-    for (const GgufTensorInfo & t : file.tensors()) p.weights += t.n_bytes;
-    p.kv = plan_kv(c, n_ctx, n_ubatch).total();
-    p.workspace = uint64_t(workspace_floats_per_token(c) * double(n_ubatch) * 4);
-    CudaScratchShape s;
-    s.n_ubatch = n_ubatch;
-    s.n_ctx = n_ctx;
-    s.n_embd = c.n_embd;
-    s.expert_ff = c.expert_ff;
-    s.n_expert_used = c.n_expert_used;
-    s.n_head = c.n_head;
-    s.head_dim = c.head_dim;
-    for (const LayerConfig & l : c.layers)
-        if (l.compress_ratio > 0)
-            s.min_ratio = s.min_ratio ? std::min(s.min_ratio, l.compress_ratio) : l.compress_ratio;
-    p.scratch = cuda_scratch_bytes(s);
-    return p;
-}
-
-int print_plan(const std::string & path, int64_t n_ctx, int64_t n_ubatch, int gpu) {
-    const GgufFile file = GgufFile::open(path);
-    const ModelConfig c = load_config(file);
-    const Plan p = plan(file, c, n_ctx, n_ubatch);
-    const CudaMemoryInfo m = cuda_memory_info(gpu);
-    const double G = 1e9;
-    std::printf("model      %s (%ld layers)\n", path.c_str(), c.n_layer);
-    std::printf("weights    %8.3f GB\n", double(p.weights) / G);
-    std::printf("kv state   %8.3f GB  (context %ld, ubatch %ld)\n", double(p.kv) / G, n_ctx, n_ubatch);
-    std::printf("workspace  %8.3f GB\n", double(p.workspace) / G);
-    std::printf("scratch    %8.3f GB\n", double(p.scratch) / G);
-    std::printf("total      %8.3f GB of %.3f GB free on gpu %d\n", double(p.total()) / G, double(m.free_bytes) / G,
-                gpu);
-    // The largest context that fits, in steps of 1024, leaving 1 GiB for the runtime.
-    const uint64_t budget = m.free_bytes > (1ull << 30) ? m.free_bytes - (1ull << 30) : 0;
-    int64_t lo = 0, hi = std::max<int64_t>(c.n_ctx_train, n_ctx) / 1024;
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (plan(file, c, mid * 1024, n_ubatch).total() <= budget)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    std::printf("fits       %s; the largest context that fits: %ld\n", p.total() <= budget ? "yes" : "NO", lo * 1024);
-    return p.total() <= budget ? 0 : 1;
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
@@ -270,17 +206,15 @@ std::vector<int64_t> parse_list(const std::string & s) {
 
 int main(int argc, char ** argv) {
     std::string model, depths = "1,2048";
-    int64_t n_ctx = 4096, n_decode = 32, n_ubatch = 2048;
+    int64_t n_decode = 32, n_ubatch = 2048;
     int gpu = 0;
-    bool plan_only = false, kernels = false, profile = false, no_tensor_cores = false;
+    bool kernels = false, profile = false, no_tensor_cores = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
     app.add_option("model", model, "GGUF model (synthetic: dsv4-synth)");
     app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
     app.add_option("--decode", n_decode, "decode steps timed at each depth (default 32)");
     app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
-    app.add_option("--ctx", n_ctx, "context for --plan (default 4096)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
-    app.add_flag("--plan", plan_only, "print the memory budget for --ctx and the largest context that fits");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
     app.add_flag("--no-tensor-cores", no_tensor_cores, "every product on the integer path (8-bit activations)");
@@ -293,7 +227,6 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        if (plan_only) return print_plan(model, n_ctx, n_ubatch, gpu);
         return run_model(model, parse_list(depths), n_decode, n_ubatch, options);
     } catch (const Error & e) {
         log_error("{}", e.what());

@@ -53,6 +53,42 @@ struct ModelInfo {
     uint64_t fingerprint = 0;
 };
 
+// The memory a model needs for a context, computed from the file's header before anything is loaded: what
+// `dsv4 --plan` prints, and what the server and the chat check at start so that a context that cannot fit is
+// refused then, with the largest one that would, rather than failing at the first long prompt.
+struct MemoryPlan {
+    std::string device;  // where it must fit: "gpu N (name)" or "host memory"
+    int64_t n_ctx = 0;
+    int64_t n_ubatch = 0;
+    int n_sessions = 1;
+    uint64_t weights = 0;  // the file's tensors (a GPU holds a copy; the CPU maps the file, which must stay resident)
+    // One session's KV state: raw sliding-window rings, compressed rows, indexer keys, compressor frontiers.
+    uint64_t kv_raw = 0, kv_compressed = 0, kv_indexer = 0, kv_frontier = 0;
+    uint64_t workspace = 0;  // the model's activations for one chunk of n_ubatch tokens
+    uint64_t scratch = 0;    // the backend's own buffers (CUDA: MoE and attention scratch, upload staging)
+    uint64_t available = 0;  // free GPU memory, or the host's MemAvailable
+    uint64_t reserve = 0;    // kept free for the runtime, captured graphs, the process itself
+    int64_t max_ctx = 0;     // largest context (a multiple of Engine::kContextStep) that fits n_sessions; 0: none
+
+    uint64_t kv_per_session() const { return kv_raw + kv_compressed + kv_indexer + kv_frontier; }
+    uint64_t total() const { return weights + uint64_t(n_sessions) * kv_per_session() + workspace + scratch; }
+    bool fits() const { return total() + reserve <= available; }
+    // A multi-line table of the above, for people.
+    std::string describe() const;
+    // Throws dsv4::Error naming what does not fit and the largest context that would, when !fits().
+    void require_fit() const;
+};
+
+// Where loading the weights stands: bytes in backend memory (copied to the GPU, or mapped on the CPU) of all the
+// file's tensor bytes, and the time since loading began.
+struct LoadProgress {
+    uint64_t bytes_done = 0;
+    uint64_t bytes_total = 0;
+    double seconds = 0;
+    double fraction() const { return bytes_total ? double(bytes_done) / double(bytes_total) : 0.0; }
+    double gb_per_s() const { return seconds > 0 ? double(bytes_done) / 1e9 / seconds : 0.0; }
+};
+
 // Receives (tokens done, tokens total) during long evaluations; returning false cancels.
 using ProgressFn = std::function<bool(int64_t done, int64_t total)>;
 
@@ -83,9 +119,10 @@ class Session {
 
 class Engine {
   public:
-    // Loads the model. `progress` (may be empty) gets load progress in [0, 1].
+    // Loads the model. `progress` (may be empty) is called as the weights load (after each tensor) and once at
+    // the end with bytes_done = bytes_total.
     static std::unique_ptr<Engine> open(const EngineOptions & options,
-                                        const std::function<void(double)> & progress = {});
+                                        const std::function<void(const LoadProgress &)> & progress = {});
     virtual ~Engine() = default;
 
     virtual const ModelInfo & info() const = 0;
@@ -97,13 +134,10 @@ class Engine {
     virtual uint64_t session_bytes(int64_t n_ctx) const = 0;
     // The most GPU memory the engine has held at once (weights, KV states, workspace, scratch); 0 on the CPU.
     virtual uint64_t peak_device_bytes() const = 0;
-    // Free GPU memory now (the weights and the workspace already allocated): where new sessions' KV states go.
-    // 0 on the CPU backend, whose sessions live in host memory.
-    virtual uint64_t device_free_bytes() const = 0;
-    // The largest context (a multiple of kContextStep, at most the trained context when the file names one) for
-    // which n_sessions sessions fit in memory_bytes; 0 when not even kContextStep fits.
-    int64_t plan_context(uint64_t memory_bytes, int n_sessions) const;
-    static constexpr int64_t kContextStep = 4096;
+    // The memory plan of options' model with n_sessions sessions of n_ctx tokens on the backend the options pick
+    // (n_ctx 0: just the largest context). Reads the file's header only; throws dsv4::Error for a bad file.
+    static MemoryPlan plan(const EngineOptions & options, int64_t n_ctx, int n_sessions = 1);
+    static constexpr int64_t kContextStep = 4096;  // the plan's largest context is a multiple of this
 };
 
 // "dsv4 <version> (<commit>)" and the backends compiled in.

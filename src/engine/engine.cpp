@@ -11,7 +11,9 @@
 #include "model/forward.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
+#include "util/file.h"
 #include "util/log.h"
+#include "util/timer.h"
 
 #include <xxhash.h>
 
@@ -26,32 +28,41 @@ namespace {
 
 class SessionImpl;
 
+// auto: the GPU when there is one.
+bool wants_gpu(const EngineOptions & o) {
+    DSV4_CHECK(o.backend == "cpu" || o.backend == "cuda" || o.backend == "auto", "unknown backend '{}' (cpu, cuda or auto)",
+               o.backend);
+#if DSV4_HAVE_CUDA
+    return o.backend == "cuda" || (o.backend == "auto" && cuda_device_count() > 0);
+#else
+    DSV4_CHECK(o.backend != "cuda", "backend 'cuda' is not available in this build ({})", build_backends());
+    return false;
+#endif
+}
+
+// The GPU's prefill products need large chunks to fill the tensor cores (a 256-token chunk leaves most of the
+// machine idle in the narrow projections); the CPU gains nothing past a few hundred tokens.
+int64_t ubatch_for(const EngineOptions & o, bool on_gpu) { return o.n_ubatch > 0 ? o.n_ubatch : on_gpu ? 2048 : 256; }
+
 class EngineImpl final : public Engine {
   public:
-    explicit EngineImpl(const EngineOptions & options, const std::function<void(double)> & progress) {
+    explicit EngineImpl(const EngineOptions & options, const std::function<void(const LoadProgress &)> & progress) {
         Numerics numerics;
         DSV4_CHECK(parse_numerics(options.numerics, &numerics), "unknown numerics '{}' (official or reference)",
                    options.numerics);
         file_ = std::make_unique<GgufFile>(GgufFile::open(options.model_path));
         if (!options.mtp_path.empty()) mtp_file_ = std::make_unique<GgufFile>(GgufFile::open(options.mtp_path));
-        DSV4_CHECK(options.backend == "cpu" || options.backend == "cuda" || options.backend == "auto",
-                   "unknown backend '{}' (cpu, cuda or auto)", options.backend);
-        bool on_gpu = false;
+        const bool on_gpu = wants_gpu(options);
 #if DSV4_HAVE_CUDA
-        // auto: the GPU when there is one. The CUDA backend decodes with 8-bit activations (the CPU's default
-        // numerics), so quantize_activations does not apply to it; its prefill runs on the tensor cores (f16
-        // activations and attention) except under reference numerics, which keep every product in f32 or on
-        // the 8-bit rules.
-        if (options.backend == "cuda" || (options.backend == "auto" && cuda_device_count() > 0)) {
+        // The CUDA backend decodes with 8-bit activations (the CPU's default numerics), so quantize_activations
+        // does not apply to it; its prefill runs on the tensor cores (f16 activations and attention) except under
+        // reference numerics, which keep every product in f32 or on the 8-bit rules.
+        if (on_gpu) {
             CudaBackendOptions cuda;
             cuda.device = options.gpu;
             cuda.tensor_cores = numerics != Numerics::reference;
             backend_ = make_cuda_backend(cuda);
-            on_gpu = true;
-            gpu_ = options.gpu;
         }
-#else
-        DSV4_CHECK(options.backend != "cuda", "backend 'cuda' is not available in this build ({})", build_backends());
 #endif
         if (!backend_) {
             CpuBackendOptions cpu;
@@ -59,12 +70,21 @@ class EngineImpl final : public Engine {
             cpu.quantize_activations = options.quantize_activations;
             backend_ = make_cpu_backend(cpu);
         }
-        // The GPU's prefill products need large chunks to fill the tensor cores (a 256-token chunk leaves most of
-        // the machine idle in the narrow projections); the CPU gains nothing past a few hundred tokens.
-        const int64_t n_ubatch = options.n_ubatch > 0 ? options.n_ubatch : on_gpu ? 2048 : 256;
-        if (progress) progress(0.0);
-        model_ = std::make_unique<Model>(*file_, *backend_, n_ubatch, numerics, mtp_file_.get());
-        if (progress) progress(1.0);
+        const int64_t n_ubatch = ubatch_for(options, on_gpu);
+        const Timer load;
+        LoadProgress lp;
+        auto report = [&](uint64_t done, uint64_t total) {
+            lp.bytes_done = done;
+            lp.bytes_total = total;
+            lp.seconds = load.seconds();
+            if (progress) progress(lp);
+        };
+        model_ = std::make_unique<Model>(*file_, *backend_, n_ubatch, numerics, mtp_file_.get(), report);
+        backend_->synchronize();
+        report(lp.bytes_total, lp.bytes_total);
+        if (on_gpu)
+            log_info("{}: {:.2f} GB of weights copied to the GPU in {:.1f} s ({:.2f} GB/s)", options.model_path,
+                     double(lp.bytes_total) / 1e9, lp.seconds, lp.gb_per_s());
 
         const ModelConfig & c = model_->config();
         info_.name = c.name;
@@ -96,13 +116,6 @@ class EngineImpl final : public Engine {
         return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp).total();
     }
     uint64_t peak_device_bytes() const override { return backend_->peak_device_bytes(); }
-    uint64_t device_free_bytes() const override {
-#if DSV4_HAVE_CUDA
-        if (gpu_ >= 0) return cuda_memory_info(gpu_).free_bytes;
-#endif
-        return 0;
-    }
-
     Model & model() { return *model_; }
     // The model's scratch is shared: one evaluation at a time across sessions.
     std::mutex & eval_mutex() { return eval_mutex_; }
@@ -115,7 +128,6 @@ class EngineImpl final : public Engine {
     std::optional<Tokenizer> tokenizer_;
     ModelInfo info_;
     std::mutex eval_mutex_;
-    int gpu_ = -1;  // the CUDA device the backend runs on; -1 on the CPU
 
     // Hashing all weights would read the whole file (80+ GB); the tensor table, the size and 64 KiB from a few
     // tensors spread over the file tell checkpoints and quantizations apart just as well.
@@ -240,23 +252,105 @@ std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) { return std::ma
 
 }  // namespace
 
-int64_t Engine::plan_context(uint64_t memory_bytes, int n_sessions) const {
-    const int64_t n = std::max(n_sessions, 1);
-    const int64_t limit = info().n_ctx_train > 0 ? info().n_ctx_train : int64_t(1) << 20;
-    auto fits = [&](int64_t ctx) { return uint64_t(n) * session_bytes(ctx) <= memory_bytes; };
-    // The state grows monotonically with the context: binary search over multiples of the step.
+MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sessions) {
+    const GgufFile file = GgufFile::open(options.model_path);
+    std::optional<GgufFile> mtp_file;
+    if (!options.mtp_path.empty()) mtp_file.emplace(GgufFile::open(options.mtp_path));
+    const ModelConfig c = load_config(file);
+    const bool on_gpu = wants_gpu(options);
+
+    MemoryPlan p;
+    p.n_ubatch = ubatch_for(options, on_gpu);
+    p.n_sessions = std::max(n_sessions, 1);
+    const ModelFootprint f = model_footprint(file, c, p.n_ubatch, mtp_file ? &*mtp_file : nullptr);
+    p.weights = f.weights;
+    p.workspace = f.workspace;
+    if (on_gpu) {
+#if DSV4_HAVE_CUDA
+        const CudaMemoryInfo m = cuda_memory_info(options.gpu);
+        DSV4_CHECK(m.total_bytes > 0, "cuda: cannot query the memory of gpu {}", options.gpu);
+        p.device = fmt::format("gpu {}", options.gpu);
+        p.available = m.free_bytes;
+        p.reserve = uint64_t(1) << 30;  // the runtime's own allocations and the captured graphs
+#endif
+    } else {
+        p.device = "host memory";
+        p.available = proc_field("/proc/meminfo", "MemAvailable");
+        p.reserve = std::max<uint64_t>(uint64_t(1) << 30, proc_field("/proc/meminfo", "MemTotal") / 10);
+    }
+    auto fill = [&](MemoryPlan & q, int64_t ctx) {
+        q.n_ctx = ctx;
+        const KvPlan kv = plan_kv(c, ctx, q.n_ubatch, f.has_mtp);
+        q.kv_raw = kv.raw_bytes;
+        q.kv_compressed = kv.compressed_bytes;
+        q.kv_indexer = kv.indexer_bytes;
+        q.kv_frontier = kv.frontier_bytes;
+        q.scratch = 0;
+#if DSV4_HAVE_CUDA
+        if (on_gpu) {
+            CudaScratchShape s;
+            s.n_ubatch = q.n_ubatch;
+            s.n_ctx = ctx;
+            s.n_embd = c.n_embd;
+            s.expert_ff = c.expert_ff;
+            s.n_expert_used = c.n_expert_used;
+            s.n_head = c.n_head;
+            s.head_dim = c.head_dim;
+            for (const LayerConfig & l : c.layers)
+                if (l.compress_ratio > 0)
+                    s.min_ratio = s.min_ratio ? std::min(s.min_ratio, l.compress_ratio) : l.compress_ratio;
+            q.scratch = cuda_scratch_bytes(s);
+        }
+#endif
+    };
+    // Every part grows with the context: binary search over multiples of the step, up to the trained context.
+    const int64_t limit = c.n_ctx_train > 0 ? c.n_ctx_train : int64_t(1) << 20;
     int64_t lo = 0, hi = limit / kContextStep;
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (fits(mid * kContextStep))
+        MemoryPlan q = p;
+        fill(q, mid * kContextStep);
+        if (q.fits())
             lo = mid;
         else
             hi = mid - 1;
     }
-    return lo * kContextStep;
+    p.max_ctx = lo * kContextStep;
+    fill(p, n_ctx > 0 ? n_ctx : p.max_ctx);
+    return p;
 }
 
-std::unique_ptr<Engine> Engine::open(const EngineOptions & options, const std::function<void(double)> & progress) {
+std::string MemoryPlan::describe() const {
+    const double G = double(1ull << 30);
+    std::string s;
+    s += fmt::format("weights     {:9.3f} GiB\n", double(weights) / G);
+    s += fmt::format("kv state    {:9.3f} GiB  ({} session(s) of {} tokens: raw {:.3f}, compressed {:.3f}, indexer "
+                     "{:.3f}, frontiers {:.3f})\n",
+                     double(n_sessions) * double(kv_per_session()) / G, n_sessions, n_ctx, double(kv_raw) / G,
+                     double(kv_compressed) / G, double(kv_indexer) / G, double(kv_frontier) / G);
+    s += fmt::format("workspace   {:9.3f} GiB  (chunks of {} tokens)\n", double(workspace) / G, n_ubatch);
+    s += fmt::format("scratch     {:9.3f} GiB\n", double(scratch) / G);
+    s += fmt::format("total       {:9.3f} GiB + {:.1f} GiB reserve, of {:.3f} GiB available in {}\n", double(total()) / G,
+                     double(reserve) / G, double(available) / G, device);
+    s += fmt::format("fits        {}; largest context that fits: {}", fits() ? "yes" : "NO", max_ctx);
+    return s;
+}
+
+void MemoryPlan::require_fit() const {
+    const double G = double(1ull << 30);
+    DSV4_CHECK(fits(),
+               "a context of {} tokens ({} session(s)) needs {:.2f} GiB ({:.2f} of weights, {:.2f} of KV state, {:.2f} of "
+               "workspace and scratch) plus a {:.1f} GiB reserve, but {} has {:.2f} GiB available; {}",
+               n_ctx, n_sessions, double(total()) / G, double(weights) / G,
+               double(n_sessions) * double(kv_per_session()) / G, double(workspace + scratch) / G, double(reserve) / G,
+               device, double(available) / G,
+               max_ctx > 0 ? fmt::format("the largest context that fits is {} (--ctx {})", max_ctx, max_ctx)
+                           : std::string("no context fits: the weights alone do not (try a smaller quantization, "
+                                         "a smaller --ubatch or fewer sessions)"));
+}
+
+std::unique_ptr<Engine> Engine::open(const EngineOptions & options,
+                                     const std::function<void(const LoadProgress &)> & progress) {
     return std::make_unique<EngineImpl>(options, progress);
 }
 

@@ -116,7 +116,6 @@ class FakeEngine final : public Engine {
     }
     uint64_t session_bytes(int64_t n_ctx) const override { return uint64_t(n_ctx) * 1000; }
     uint64_t peak_device_bytes() const override { return 0; }
-    uint64_t device_free_bytes() const override { return 0; }
 
     FakeLog log;
 

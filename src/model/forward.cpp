@@ -1,5 +1,6 @@
 #include "model/forward.h"
 
+#include "model/layout.h"
 #include "util/error.h"
 
 #include <cmath>
@@ -50,12 +51,59 @@ struct Model::Workspace {
     Tensor logits;     // F32 [n, V]
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
 
+    Tensor inv_freq[3];  // F32 [n_rot / 2]: the RoPE frequencies of each LayerKind
+
+    // Lays out every tensor for chunks of n tokens. With no backend nothing is allocated and only `bytes` counts:
+    // the memory plan (Model::workspace_bytes) and the allocation are this one function.
+    Workspace(const ModelConfig & c, int64_t n, bool with_mtp_cat, Backend * backend) : backend_(backend) {
+        const int64_t D = c.n_embd, d = c.head_dim;
+        for (Tensor & t : inv_freq) t = make(GgmlType::F32, 1, c.n_rot / 2);
+        tokens = make(GgmlType::I32, n, 1);
+        positions = make(GgmlType::I32, n, 1);
+        streams = make(GgmlType::F32, n, D, c.hc);
+        streams2 = make(GgmlType::F32, n, D, c.hc);
+        x = make(GgmlType::F32, n, D);
+        xn = make(GgmlType::F32, n, D);
+        out = make(GgmlType::F32, n, D);
+        post = make(GgmlType::F32, n, c.hc);
+        comb = make(GgmlType::F32, n, c.hc, c.hc);
+        cq = make(GgmlType::F32, n, c.q_lora_rank);
+        q = make(GgmlType::F32, n, d, c.n_head);
+        kv = make(GgmlType::F32, n, d);
+        attn = make(GgmlType::F32, n, d, c.n_head);
+        o_low = make(GgmlType::F32, n, c.o_groups * c.o_lora_rank);
+        comp_kv = make(GgmlType::F32, n, 2 * d);
+        comp_score = make(GgmlType::F32, n, 2 * d);
+        if (c.indexer_dim > 0) {
+            idx_q = make(GgmlType::F32, n, c.indexer_dim, c.indexer_heads);
+            idx_w = make(GgmlType::F32, n, c.indexer_heads);
+            idx_kv = make(GgmlType::F32, n, 2 * c.indexer_dim);
+            idx_score = make(GgmlType::F32, n, 2 * c.indexer_dim);
+            selected = make(GgmlType::I32, n, std::max<int64_t>(c.indexer_top_k, 1));
+        }
+        router = make(GgmlType::F32, n, c.n_expert);
+        experts = make(GgmlType::I32, n, c.n_expert_used);
+        weights = make(GgmlType::F32, n, c.n_expert_used);
+        sh_gate = make(GgmlType::F32, n, c.expert_ff);
+        sh_up = make(GgmlType::F32, n, c.expert_ff);
+        routed = make(GgmlType::F32, n, D);
+        logits = make(GgmlType::F32, n, c.n_vocab);
+        if (with_mtp_cat) mtp_cat = make(GgmlType::F32, n, 2 * D, c.hc);
+    }
+
+    uint64_t bytes = 0;
+
+  private:
     // A tensor [ne0, ne1, ne2, n_rows]; the token axis is always the outermost (ne[3]).
-    Tensor make(Backend & b, GgmlType type, int64_t n_rows, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1) {
-        const size_t bytes = std::max<size_t>(row_bytes(type, ne0) * size_t(ne1 * ne2 * n_rows), 4);
-        buffers.push_back(b.alloc(bytes));
+    Tensor make(GgmlType type, int64_t n_rows, int64_t ne0, int64_t ne1 = 1, int64_t ne2 = 1) {
+        const size_t n_bytes = std::max<size_t>(row_bytes(type, ne0) * size_t(ne1 * ne2 * n_rows), 4);
+        bytes += n_bytes;
+        if (!backend_) return make_tensor(type, nullptr, ne0, ne1, ne2, n_rows);
+        buffers.push_back(backend_->alloc(n_bytes));
         return make_tensor(type, buffers.back()->data(), ne0, ne1, ne2, n_rows);
     }
+
+    Backend * backend_;
 };
 
 namespace {
@@ -70,56 +118,42 @@ Tensor first(const Tensor & t, int64_t n) {
 }  // namespace
 
 Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics,
-             const GgufFile * mtp_file)
+             const GgufFile * mtp_file, const LoadProgressFn & progress)
     : config_(load_config(file)), backend_(backend), n_ubatch_(n_ubatch), numerics_(numerics) {
     DSV4_CHECK(n_ubatch >= 1, "batch size must be at least 1 (got {})", n_ubatch);
-    weights_ = load_weights(file, config_, backend, mtp_file);
+    weights_ = load_weights(file, config_, backend, mtp_file, progress);
     const ModelConfig & c = config_;
 
-    ws_ = std::make_unique<Workspace>();
-    Workspace & w = *ws_;
+    // llama.cpp's MTP layout projects [enorm(E[x]); hnorm(H_h)] with one fused matrix, which needs the concatenation.
+    ws_ = std::make_unique<Workspace>(c, n_ubatch, weights_.mtp && weights_.mtp->eh_proj, &backend);
     for (LayerKind kind : {LayerKind::sliding, LayerKind::csa, LayerKind::hca}) {
-        std::vector<float> f = rope_inv_freq(c, kind);
+        const std::vector<float> f = rope_inv_freq(c, kind);
         RopeSpec & r = rope_[int(kind)];
         r.n_rot = int(c.n_rot);
-        r.inv_freq = w.make(backend, GgmlType::F32, 1, int64_t(f.size()));
+        r.inv_freq = ws_->inv_freq[int(kind)];
         backend.write(r.inv_freq, f.data(), f.size() * sizeof(float));
     }
-    const int64_t n = n_ubatch, D = c.n_embd, d = c.head_dim;
-    w.tokens = w.make(backend, GgmlType::I32, n, 1);
-    w.positions = w.make(backend, GgmlType::I32, n, 1);
-    w.streams = w.make(backend, GgmlType::F32, n, D, c.hc);
-    w.streams2 = w.make(backend, GgmlType::F32, n, D, c.hc);
-    w.x = w.make(backend, GgmlType::F32, n, D);
-    w.xn = w.make(backend, GgmlType::F32, n, D);
-    w.out = w.make(backend, GgmlType::F32, n, D);
-    w.post = w.make(backend, GgmlType::F32, n, c.hc);
-    w.comb = w.make(backend, GgmlType::F32, n, c.hc, c.hc);
-    w.cq = w.make(backend, GgmlType::F32, n, c.q_lora_rank);
-    w.q = w.make(backend, GgmlType::F32, n, d, c.n_head);
-    w.kv = w.make(backend, GgmlType::F32, n, d);
-    w.attn = w.make(backend, GgmlType::F32, n, d, c.n_head);
-    w.o_low = w.make(backend, GgmlType::F32, n, c.o_groups * c.o_lora_rank);
-    w.comp_kv = w.make(backend, GgmlType::F32, n, 2 * d);
-    w.comp_score = w.make(backend, GgmlType::F32, n, 2 * d);
-    if (c.indexer_dim > 0) {
-        w.idx_q = w.make(backend, GgmlType::F32, n, c.indexer_dim, c.indexer_heads);
-        w.idx_w = w.make(backend, GgmlType::F32, n, c.indexer_heads);
-        w.idx_kv = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
-        w.idx_score = w.make(backend, GgmlType::F32, n, 2 * c.indexer_dim);
-        w.selected = w.make(backend, GgmlType::I32, n, std::max<int64_t>(c.indexer_top_k, 1));
-    }
-    w.router = w.make(backend, GgmlType::F32, n, c.n_expert);
-    w.experts = w.make(backend, GgmlType::I32, n, c.n_expert_used);
-    w.weights = w.make(backend, GgmlType::F32, n, c.n_expert_used);
-    w.sh_gate = w.make(backend, GgmlType::F32, n, c.expert_ff);
-    w.sh_up = w.make(backend, GgmlType::F32, n, c.expert_ff);
-    w.routed = w.make(backend, GgmlType::F32, n, D);
-    w.logits = w.make(backend, GgmlType::F32, n, c.n_vocab);
-    if (weights_.mtp && weights_.mtp->eh_proj) w.mtp_cat = w.make(backend, GgmlType::F32, n, 2 * D, c.hc);
 }
 
 Model::~Model() = default;
+
+ModelFootprint model_footprint(const GgufFile & file, const ModelConfig & c, int64_t n_ubatch,
+                               const GgufFile * mtp_file) {
+    ModelFootprint f;
+    for (const GgufTensorInfo & t : file.tensors()) f.weights += t.n_bytes;
+    if (mtp_file)
+        for (const GgufTensorInfo & t : mtp_file->tensors()) f.weights += t.n_bytes;
+    // As load_weights decides: llama.cpp's extra block (fused e/h projection) or ds4's separate file.
+    const bool fused_mtp =
+        file.find_tensor("blk." + std::to_string(c.n_layer) + "." + slot_suffix(Slot::mtp_eh_proj)) != nullptr;
+    f.has_mtp = fused_mtp || mtp_file;
+    f.workspace = Model::workspace_bytes(c, n_ubatch, fused_mtp);
+    return f;
+}
+
+uint64_t Model::workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bool with_mtp_cat) {
+    return Workspace(config, n_ubatch, with_mtp_cat, nullptr).bytes;
+}
 
 std::unique_ptr<KvState> Model::new_state(int64_t n_ctx) const {
     return std::make_unique<KvState>(config_, backend_, n_ctx, n_ubatch_, weights_.mtp.has_value());

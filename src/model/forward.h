@@ -35,11 +35,21 @@ enum class LogitsMode { none, last, all };
 // backend memory and valid only during the call.
 using TraceFn = std::function<void(std::string_view name, int64_t layer, const Tensor & t)>;
 
+// What a Model of this file keeps in backend memory besides its KV states, from the file's header alone (nothing is
+// read or allocated): the memory plan made before loading.
+struct ModelFootprint {
+    uint64_t weights = 0;    // tensor bytes of the file(s): a device backend copies them, the CPU maps them
+    uint64_t workspace = 0;  // activations for chunks of n_ubatch tokens
+    bool has_mtp = false;    // the MTP block is loaded (its KV state has a raw ring more)
+};
+ModelFootprint model_footprint(const GgufFile & file, const ModelConfig & config, int64_t n_ubatch,
+                               const GgufFile * mtp_file = nullptr);
+
 class Model {
   public:
     // `n_ubatch`: the largest chunk eval() runs at once (longer inputs are split); scratch is sized for it.
     Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics,
-          const GgufFile * mtp_file = nullptr);
+          const GgufFile * mtp_file = nullptr, const LoadProgressFn & progress = {});
     ~Model();
 
     const ModelConfig & config() const { return config_; }
@@ -49,6 +59,9 @@ class Model {
     Numerics numerics() const { return numerics_; }
 
     std::unique_ptr<KvState> new_state(int64_t n_ctx) const;
+    // Bytes of the activations a Model allocates for chunks of n_ubatch tokens (the logits of every row are most
+    // of it: n_ubatch·n_vocab floats); with_mtp_cat when the MTP head uses llama.cpp's fused projection.
+    static uint64_t workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bool with_mtp_cat);
     void set_trace(TraceFn trace) { trace_ = std::move(trace); }
 
     // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory) gets

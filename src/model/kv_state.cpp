@@ -44,6 +44,9 @@ class ByteReader {
     size_t pos_ = 0;
 };
 
+// Rows of a compressed layer's store; one at least, so a context shorter than a block still has a tensor.
+int64_t compressed_rows(const LayerConfig & lc, int64_t n_ctx) { return std::max<int64_t>(n_ctx / lc.compress_ratio, 1); }
+
 }  // namespace
 
 KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with_mtp) {
@@ -54,7 +57,7 @@ KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with
     for (const LayerConfig & lc : c.layers) {
         p.raw_bytes += size_t(p.ring * c.head_dim) * f;
         if (lc.kind == LayerKind::sliding) continue;
-        const int64_t rows = n_ctx / lc.compress_ratio;
+        const int64_t rows = compressed_rows(lc, n_ctx);
         p.compressed_bytes += size_t(rows * c.head_dim) * f;
         p.frontier_bytes += 2 * size_t(frontier_rows(lc) * frontier_width(lc, c.head_dim)) * f;
         if (lc.kind == LayerKind::csa) {
@@ -82,7 +85,7 @@ KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, i
         LayerState s;
         s.raw = tensor(d, ring_);
         if (lc.kind != LayerKind::sliding) {
-            const int64_t rows = std::max<int64_t>(n_ctx / lc.compress_ratio, 1);
+            const int64_t rows = compressed_rows(lc, n_ctx);
             s.comp = tensor(d, rows);
             s.comp_kv = tensor(frontier_width(lc, d), frontier_rows(lc));
             s.comp_score = tensor(frontier_width(lc, d), frontier_rows(lc));

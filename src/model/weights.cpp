@@ -33,10 +33,21 @@ std::string shape_text(const int64_t * ne, int n) {
     return s + "]";
 }
 
+// Bytes of the model's files in backend memory so far, for the load progress.
+struct LoadCount {
+    uint64_t done = 0, total = 0;
+    const LoadProgressFn * progress = nullptr;
+    void add(uint64_t bytes) {
+        done += bytes;
+        if (progress && *progress) (*progress)(done, total);
+    }
+};
+
 // Binds tensors of one GGUF file by name, checking shape and type, and records which tensors were used.
 class Binder {
   public:
-    Binder(const GgufFile & file, Backend & backend, ModelWeights & w) : file_(file), backend_(backend), w_(w) {}
+    Binder(const GgufFile & file, Backend & backend, ModelWeights & w, LoadCount & count)
+        : file_(file), backend_(backend), w_(w), count_(count) {}
 
     bool has(const std::string & name) const { return file_.find_tensor(name) != nullptr; }
 
@@ -49,6 +60,7 @@ class Binder {
         std::unique_ptr<BackendBuffer> storage;
         Tensor t = backend_.upload_weight(host, &storage);
         if (storage) w_.storage.push_back(std::move(storage));
+        count_.add(info.n_bytes);
         return t;
     }
 
@@ -60,6 +72,7 @@ class Binder {
                    type_name(info.type));
         std::vector<float> values(static_cast<size_t>(n));
         dequantize_row(info.type, file_.tensor_data(info), values.data(), n);
+        count_.add(info.n_bytes);
         return upload_f32(values.data(), n);
     }
 
@@ -76,6 +89,7 @@ class Binder {
         Tensor t = make_tensor(GgmlType::I32, buf->data(), ne0, ne1);
         backend_.write(t, ids, t.n_bytes());
         w_.storage.push_back(std::move(buf));
+        count_.add(info.n_bytes);
         return t;
     }
 
@@ -115,6 +129,7 @@ class Binder {
     const GgufFile & file_;
     Backend & backend_;
     ModelWeights & w_;
+    LoadCount & count_;
     std::set<std::string> used_;
     int64_t expert_limit_ = 0;
 };
@@ -201,10 +216,16 @@ void bind_layout(Binder & b, const std::vector<TensorSpec> & specs, ModelWeights
 
 }  // namespace
 
-ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend & backend, const GgufFile * mtp_file) {
+ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend & backend, const GgufFile * mtp_file,
+                          const LoadProgressFn & progress) {
     ModelWeights w;
     w.layers.resize(size_t(c.n_layer));
-    Binder b(file, backend, w);
+    LoadCount count;
+    count.progress = &progress;
+    for (const GgufFile * f : {&file, mtp_file})
+        if (f)
+            for (const GgufTensorInfo & t : f->tensors()) count.total += t.n_bytes;
+    Binder b(file, backend, w, count);
     b.set_expert_limit(c.n_expert);
     bind_layout(b, tensor_layout(c), w, nullptr);
 
@@ -227,7 +248,7 @@ ModelWeights load_weights(const GgufFile & file, const ModelConfig & c, Backend 
 
     if (mtp_file) {
         DSV4_CHECK(!w.mtp, "{}: the model already has an MTP block; drop the separate MTP file", mtp_file->path());
-        Binder mb(*mtp_file, backend, w);
+        Binder mb(*mtp_file, backend, w, count);
         mb.set_expert_limit(c.n_expert);
         MtpWeights m;
         m.config = mtp_layer_config(c);

@@ -13,6 +13,7 @@
 #include "model/config.h"
 
 #include <memory>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -94,10 +95,13 @@ struct ModelWeights {
     std::vector<std::unique_ptr<BackendBuffer>> storage;
 };
 
+// Called after each tensor is in backend memory with the bytes done and the bytes of all tensors.
+using LoadProgressFn = std::function<void(uint64_t bytes_done, uint64_t bytes_total)>;
+
 // Binds every tensor of `file` (and of `mtp_file`, ds4's separate MTP GGUF, when given) and uploads them to the
 // backend. Throws dsv4::Error naming the file and the tensor for a missing tensor, a wrong shape or an
 // unsupported type.
 ModelWeights load_weights(const GgufFile & file, const ModelConfig & config, Backend & backend,
-                          const GgufFile * mtp_file = nullptr);
+                          const GgufFile * mtp_file = nullptr, const LoadProgressFn & progress = {});
 
 }  // namespace dsv4

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -64,6 +66,18 @@ void MappedFile::prefetch(size_t offset, size_t bytes) const {
     const size_t page = size_t(::sysconf(_SC_PAGESIZE));
     size_t begin = offset / page * page;
     ::madvise(const_cast<uint8_t *>(data_) + begin, bytes + (offset - begin), MADV_WILLNEED);
+}
+
+uint64_t proc_field(const char * file, const char * key) {
+    std::ifstream in(file);
+    std::string line;
+    const size_t n = std::strlen(key);
+    while (std::getline(in, line)) {
+        if (line.compare(0, n, key) != 0 || line.size() <= n || line[n] != ':') continue;
+        const uint64_t v = std::strtoull(line.c_str() + n + 1, nullptr, 10);
+        return line.find("kB") != std::string::npos ? v * 1024 : v;
+    }
+    return 0;
 }
 
 std::string read_file(const std::string & path) {

@@ -35,6 +35,10 @@ class MappedFile {
 
 std::string read_file(const std::string & path);  // throws dsv4::Error naming the path
 
+// A numeric field of a /proc file of "Key: value [kB]" lines (MemAvailable in /proc/meminfo, VmRSS in
+// /proc/self/status), in bytes when the value is in kB; 0 when the file or the key is missing.
+uint64_t proc_field(const char * file, const char * key);
+
 // Writes a file atomically. Data goes to "<path>.tmp.<pid>.<n>" first; commit() flushes, fsyncs and
 // renames it over `path`. Destroying an uncommitted writer removes the temporary file.
 class AtomicFileWriter {

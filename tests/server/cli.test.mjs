@@ -88,3 +88,17 @@ test("--tokens-file / --dump-logits still writes every position's logits", () =>
   assert.equal(r.status, 0, r.stderr);
   assert.equal(statSync(logits).size, 5 * 129280 * 4);
 });
+
+test("--plan prints the memory plan; a context that cannot fit is refused before loading", () => {
+  const ok = spawnSync(opts.dsv4, ["-m", opts.model, "--plan", "--ctx", "8192"], { encoding: "utf8" });
+  assert.equal(ok.status, 0, ok.stderr);
+  assert.match(ok.stdout, /kv state +[\d.]+ GiB +\(1 session\(s\) of 8192 tokens: raw [\d.]+, compressed/);
+  assert.match(ok.stdout, /fits +yes; largest context that fits: \d+/);
+  const huge = ["-m", opts.model, "--ctx", "1099511627776"];
+  const no = spawnSync(opts.dsv4, [...huge, "--plan"], { encoding: "utf8" });
+  assert.equal(no.status, 1, no.stderr);
+  assert.match(no.stdout, /fits +NO/);
+  const chat = spawnSync(opts.dsv4, [...huge, "-p", "Hello", "-n", "2"], { encoding: "utf8", timeout: 60000 });
+  assert.equal(chat.status, 1);
+  assert.match(chat.stderr, /a context of 1099511627776 tokens .* the largest context that fits is \d+ \(--ctx \d+\)/);
+});

@@ -2,6 +2,7 @@
 // SIGTERM (streams end cleanly, the KV state is saved, exit 0), a restart that restores the disk KV cache (cached
 // tokens in usage), a corrupt cache file, and the production binary lacking the test hooks.
 import assert from "node:assert/strict";
+import { spawnSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { describe, test } from "node:test";
@@ -17,6 +18,7 @@ describe("loading", () => {
       const body = await h.json();
       assert.equal(body.status, "loading");
       assert.ok(body.progress >= 0 && body.progress <= 1);
+      assert.ok(body.loaded_bytes >= 0 && body.load_gb_per_s >= 0);
       const r = await postJson(s, "/v1/chat/completions", { messages: [{ role: "user", content: "x" }] });
       assert.equal(r.status, 503);
       assert.match(r.json.error.message, /loading/);
@@ -32,6 +34,15 @@ describe("loading", () => {
     } finally {
       assert.equal((await s.stop()).code, 0);
     }
+  });
+
+  test("a context that cannot fit is refused at start, naming the largest that would", () => {
+    const r = spawnSync(opts.server, ["-m", opts.model, "--port", "0", "-c", "1099511627776"], {
+      encoding: "utf8",
+      timeout: 30000,
+    });
+    assert.equal(r.status, 1, r.stderr);
+    assert.match(r.stderr, /cannot load the model: a context of 1099511627776 tokens .* the largest context that fits is \d+/);
   });
 });
 

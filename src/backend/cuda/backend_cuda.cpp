@@ -884,7 +884,8 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t idx = std::min<uint64_t>(uint64_t(s.n_ubatch) * rows * f, uint64_t(256) << 20);
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
-    return std::max({moe, idx, attn, dense});
+    // The arena holds one op's scratch at a time; the upload staging stays allocated beside it.
+    return std::max({moe, idx, attn, dense}) + 2 * kStageBytes;
 }
 
 }  // namespace dsv4

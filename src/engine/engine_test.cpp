@@ -1,0 +1,94 @@
+// The engine's memory plan and load progress on a small synthetic model (CPU backend): the plan's KV bytes are
+// what a session allocates, an impossible context is refused with the largest one that fits, and the progress
+// callback counts every tensor byte once, ending at the total.
+#include "dsv4/engine.h"
+#include "format/gguf.h"
+#include "model/synth.h"
+#include "util/error.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <unistd.h>
+
+namespace dsv4 {
+namespace {
+
+class EngineTest : public ::testing::Test {
+  protected:
+    static void SetUpTestSuite() {
+        path_ = (std::filesystem::temp_directory_path() / ("dsv4_engine_test_" + std::to_string(getpid()) + ".gguf"))
+                    .string();
+        SynthOptions o;
+        o.config = mini_config(3, 512);
+        o.mtp_in_file = true;  // the plan must count the MTP block's ring and fused projection
+        write_synthetic_model(o, path_);
+    }
+    static void TearDownTestSuite() { std::remove(path_.c_str()); }
+
+    static EngineOptions options() {
+        EngineOptions e;
+        e.model_path = path_;
+        e.backend = "cpu";
+        e.n_threads = 2;
+        e.n_ubatch = 64;
+        return e;
+    }
+    static inline std::string path_;
+};
+
+TEST_F(EngineTest, PlanMatchesWhatSessionsAllocate) {
+    auto engine = Engine::open(options());
+    for (int64_t ctx : {int64_t(16), int64_t(1000), int64_t(8192)}) {
+        const MemoryPlan p = Engine::plan(options(), ctx, 2);
+        EXPECT_EQ(p.n_ctx, ctx);
+        EXPECT_EQ(p.n_ubatch, 64);
+        EXPECT_EQ(p.kv_per_session(), engine->session_bytes(ctx)) << ctx;
+        EXPECT_EQ(p.weights, engine->info().weight_bytes);
+        // The workspace holds every row's logits at least: n_ubatch × n_vocab floats.
+        EXPECT_GE(p.workspace, uint64_t(64 * 512 * 4));
+        EXPECT_EQ(p.total(), p.weights + 2 * p.kv_per_session() + p.workspace + p.scratch);
+        EXPECT_TRUE(p.fits());
+        EXPECT_NO_THROW(p.require_fit());
+    }
+    // n_ctx 0 plans the largest context; the trained context (mini: 1M) caps it.
+    const MemoryPlan largest = Engine::plan(options(), 0);
+    EXPECT_EQ(largest.n_ctx, largest.max_ctx);
+    EXPECT_GT(largest.max_ctx, 0);
+    EXPECT_EQ(largest.max_ctx % Engine::kContextStep, 0);
+}
+
+TEST_F(EngineTest, ImpossibleContextIsRefusedWithTheLargestThatFits) {
+    const MemoryPlan p = Engine::plan(options(), int64_t(1) << 40, 1);
+    EXPECT_FALSE(p.fits());
+    try {
+        p.require_fit();
+        FAIL() << "a context of 2^40 tokens fit";
+    } catch (const Error & e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("1099511627776 tokens"), std::string::npos) << m;
+        EXPECT_NE(m.find("the largest context that fits is " + std::to_string(p.max_ctx)), std::string::npos) << m;
+    }
+    EXPECT_NE(p.describe().find("fits        NO"), std::string::npos);
+}
+
+TEST_F(EngineTest, LoadProgressCountsEveryTensorOnce) {
+    uint64_t file_bytes = 0;
+    for (const GgufTensorInfo & t : GgufFile::open(path_).tensors()) file_bytes += t.n_bytes;
+    std::vector<LoadProgress> seen;
+    auto engine = Engine::open(options(), [&](const LoadProgress & p) { seen.push_back(p); });
+    ASSERT_GT(seen.size(), 10u);  // one call per tensor
+    for (size_t i = 1; i < seen.size(); ++i) {
+        EXPECT_GE(seen[i].bytes_done, seen[i - 1].bytes_done);
+        EXPECT_GE(seen[i].seconds, seen[i - 1].seconds);
+        EXPECT_EQ(seen[i].bytes_total, file_bytes);
+    }
+    EXPECT_EQ(seen.back().bytes_done, file_bytes);
+    EXPECT_DOUBLE_EQ(seen.back().fraction(), 1.0);
+    // The call before the final one: every tensor of the file is used by the model, so all bytes were counted.
+    EXPECT_EQ(seen[seen.size() - 2].bytes_done, file_bytes);
+}
+
+}  // namespace
+}  // namespace dsv4
