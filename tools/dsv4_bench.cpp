@@ -60,17 +60,20 @@ double decode_bytes_per_token(const GgufFile & f) {
     return bytes;
 }
 
-// The greedy next token: argmax of the last row of the session's logits.
-int32_t next_token(const Session & s, int64_t n_vocab) {
-    const std::span<const float> row = s.logits().last(size_t(n_vocab));
-    return int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+// The greedy next token, drawn as the server draws (Session::sample: on a GPU from the device's candidates).
+int32_t next_token(Session & s) {
+    SamplingParams p;
+    p.greedy = true;
+    p.seed = 0;
+    Sampler greedy(p);
+    return s.sample(greedy).id;
 }
 
 // Greedy decode of n tokens; returns seconds.
-double decode(Session & s, int64_t n, int64_t n_vocab) {
+double decode(Session & s, int64_t n) {
     Timer t;
     for (int64_t i = 0; i < n; ++i) {
-        const int32_t next = next_token(s, n_vocab);
+        const int32_t next = next_token(s);
         s.eval(std::span<const int32_t>(&next, 1));
     }
     return t.seconds();
@@ -165,7 +168,7 @@ int main(int argc, char ** argv) {
                 prefill_s[f].add(t.seconds());
                 done = f;
                 const std::string snap = s->snapshot();
-                decode_s[f].add(decode(*s, gen_tokens, info.n_vocab));
+                decode_s[f].add(decode(*s, gen_tokens));
                 s->restore(snap);
             }
         }
@@ -185,13 +188,13 @@ int main(int argc, char ** argv) {
             auto s = engine->new_session(ttft_prompt + 8);
             Timer t;
             s->eval(prompt);
-            next_token(*s, info.n_vocab);
+            next_token(*s);
             cold.add(t.seconds());
             auto w = engine->new_session(ttft_prompt + 8);
             w->eval(prompt.first(prompt.size() - 16));
             Timer tw;
             w->sync(prompt);
-            next_token(*w, info.n_vocab);
+            next_token(*w);
             warm.add(tw.seconds());
         }
         csv("ttft_cold", ttft_prompt, ttft_prompt, cold, 0);
@@ -210,7 +213,7 @@ int main(int argc, char ** argv) {
                     Timer t;
                     for (int64_t k = 0; k < gen_tokens; ++k)
                         for (auto & s : ss) {
-                            const int32_t next = next_token(*s, info.n_vocab);
+                            const int32_t next = next_token(*s);
                             s->eval(std::span<const int32_t>(&next, 1));
                         }
                     agg.add(t.seconds());

@@ -9,6 +9,8 @@
 // session, prefix reuse, the disk KV cache, streaming text) is what the server and the chat command line run on.
 #pragma once
 
+#include "dsv4/sampler.h"
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -62,15 +64,16 @@ struct MemoryPlan {
     int64_t n_ubatch = 0;
     int n_sessions = 1;
     uint64_t weights = 0;  // the file's tensors (a GPU holds a copy; the CPU maps the file, which must stay resident)
-    // One session's KV state: raw sliding-window rings, compressed rows, indexer keys, compressor frontiers.
-    uint64_t kv_raw = 0, kv_compressed = 0, kv_indexer = 0, kv_frontier = 0;
+    // One session's state: raw sliding-window rings, compressed rows, indexer keys, compressor frontiers, and the
+    // last token's logits (kept beside the state for sampling).
+    uint64_t kv_raw = 0, kv_compressed = 0, kv_indexer = 0, kv_frontier = 0, kv_logits = 0;
     uint64_t workspace = 0;  // the model's activations for one chunk of n_ubatch tokens
     uint64_t scratch = 0;    // the backend's own buffers (CUDA: MoE and attention scratch, upload staging)
     uint64_t available = 0;  // free GPU memory, or the host's MemAvailable
     uint64_t reserve = 0;    // kept free for the runtime, captured graphs, the process itself
     int64_t max_ctx = 0;     // largest context (a multiple of Engine::kContextStep) that fits n_sessions; 0: none
 
-    uint64_t kv_per_session() const { return kv_raw + kv_compressed + kv_indexer + kv_frontier; }
+    uint64_t kv_per_session() const { return kv_raw + kv_compressed + kv_indexer + kv_frontier + kv_logits; }
     uint64_t total() const { return weights + uint64_t(n_sessions) * kv_per_session() + workspace + scratch; }
     bool fits() const { return total() + reserve <= available; }
     // A multi-line table of the above, for people.
@@ -109,7 +112,14 @@ class Session {
     // starts over. Returns the number of tokens reused. Logits are those of the last token.
     virtual int64_t sync(std::span<const int32_t> tokens, const ProgressFn & progress = {}) = 0;
 
-    virtual std::span<const float> logits() const = 0;  // [rows, n_vocab] of the last eval
+    // [rows, n_vocab] of the last eval: every row after eval(all_logits), else the last token's. On a GPU the row
+    // is read from the device on the first call after an eval (sample() usually makes that unnecessary).
+    virtual std::span<const float> logits() const = 0;
+    // Whether the state ends in logits to sample from (false after clear() or a cancelled eval).
+    virtual bool has_logits() const = 0;
+    // Draws the next token from the last token's logits. On a GPU only the kSampleCandidates largest logits reach
+    // the host when they decide the draw (Sampler::sample(LogitCandidates)); the row is read otherwise.
+    virtual SampledToken sample(Sampler & sampler) = 0;
     virtual void clear() = 0;
 
     // Snapshot of the state and its tokens; restore() validates it (checksum, model shape) before use.

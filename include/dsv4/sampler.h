@@ -41,6 +41,17 @@ struct SampledToken {
     std::vector<TokenLogprob> top;  // the n_logprobs most likely tokens, most likely first
 };
 
+// The k largest logits of a row and what the rest contributes, as a GPU hands them over instead of the whole row
+// (Session::sample): ids ascending, ties at the k-th value resolved to the lower ids; max and log_sum describe the
+// whole row (log-sum-exp = max + log_sum), NaN counting as -inf.
+struct LogitCandidates {
+    std::vector<int32_t> ids;   // ascending
+    std::vector<float> logits;  // logits[i] of token ids[i]
+    float max = 0;              // largest logit of the row
+    float log_sum = 0;          // log Σ exp(l − max) over the row
+    int64_t n_vocab = 0;
+};
+
 class Sampler {
   public:
     // Throws dsv4::Error naming the field when a parameter is out of range (temperature < 0 or not finite, top_p
@@ -49,15 +60,21 @@ class Sampler {
 
     // Draws one token from logits [n_vocab] (f32). Non-finite logits never win: -inf and NaN count as impossible.
     SampledToken sample(std::span<const float> logits);
+    // The same draw from candidates, when they decide it: every token the settings could draw is among them (always
+    // for greedy decoding, and when the smallest candidate is below the min-p cut). Returns nothing otherwise,
+    // having drawn no random number: the caller then passes the whole row. Same seed, same token either way.
+    std::optional<SampledToken> sample(const LogitCandidates & candidates);
 
     const SamplingParams & params() const { return params_; }
 
   private:
+    template <class Row>
+    SampledToken draw(const Row & row, float max, int32_t argmax, double lse);
     double uniform();  // [0, 1), 53 random bits: the same draws on every platform for a given seed
 
     SamplingParams params_;
     std::mt19937_64 rng_;
-    std::vector<int32_t> ids_;  // scratch [n_vocab]
+    std::vector<int32_t> ids_;  // scratch [n_vocab]: positions in the row of the tokens left to draw from
     std::vector<float> probs_;  // scratch [n_vocab]
 };
 

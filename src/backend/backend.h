@@ -192,6 +192,13 @@ class Backend {
     virtual void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
                            const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) = 0;
 
+    // ---- sampling --------------------------------------------------------------------------------------------
+    // Per row of logits [rows, V]: ids I32 [rows, k] of the k largest logits (ties to the lower id; NaN counts as
+    // -inf), ascending; values F32 [rows, k] their logits (NaN as -inf); stats F32 [rows, 2] = (max of the row's
+    // logits, log Σ exp(l − max)) over the non-NaN ones (max -inf and log-sum -inf when there are none). k <= V.
+    // A sampler reads these instead of the row when every token it could draw is among the k.
+    virtual void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) = 0;
+
     // ---- mixture of experts ----------------------------------------------------------------------------------
     // Router: p = sqrt(softplus(logits [n, E])). Hash layers (tid2eid I32 [k, V] given) take experts
     // tid2eid[tokens[t]]; others take the top k of p + bias (bias F32 [E]). Weights are the unbiased p of the

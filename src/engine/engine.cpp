@@ -161,26 +161,59 @@ class SessionImpl final : public Session {
     int64_t n_ctx() const override { return state_->n_ctx(); }
     int64_t n_past() const override { return state_->n_past(); }
     const std::vector<int32_t> & tokens() const override { return tokens_; }
-    std::span<const float> logits() const override { return logits_; }
+    std::span<const float> logits() const override {
+        if (where_ == LogitsAt::device) {
+            std::lock_guard<std::mutex> lock(engine_.eval_mutex());
+            logits_.resize(size_t(engine_.model().config().n_vocab));
+            engine_.model().read_last_logits(*state_, logits_.data());
+            where_ = LogitsAt::host;
+        }
+        return where_ == LogitsAt::none ? std::span<const float>() : std::span<const float>(logits_);
+    }
+    bool has_logits() const override { return where_ != LogitsAt::none; }
+
+    SampledToken sample(Sampler & sampler) override {
+        DSV4_CHECK(where_ != LogitsAt::none, "sample: the session has no logits (nothing evaluated, or cancelled)");
+        Model & model = engine_.model();
+        const int64_t n_vocab = model.config().n_vocab;
+        if (where_ == LogitsAt::device) {
+            LogitCandidates c;
+            c.n_vocab = n_vocab;
+            c.ids.resize(size_t(model.n_candidates()));
+            c.logits.resize(c.ids.size());
+            float stats[2];
+            {
+                std::lock_guard<std::mutex> lock(engine_.eval_mutex());
+                model.top_logits(*state_, c.ids.data(), c.logits.data(), stats);
+            }
+            c.max = stats[0];
+            c.log_sum = stats[1];
+            if (auto token = sampler.sample(c)) return *token;
+        }
+        return sampler.sample(logits().last(size_t(n_vocab)));
+    }
 
     bool eval(std::span<const int32_t> tokens, bool all_logits, const ProgressFn & progress) override {
         if (tokens.empty()) return true;
         const int64_t n_vocab = engine_.model().config().n_vocab;
-        logits_.resize(size_t((all_logits ? int64_t(tokens.size()) : 1) * n_vocab));
+        // Only a request for every row's logits reads them here; the last row otherwise stays in the state's
+        // device copy until sample() or logits() needs it.
+        logits_.resize(all_logits ? tokens.size() * size_t(n_vocab) : 0);
+        where_ = LogitsAt::none;
         const int64_t before = state_->n_past();
         std::lock_guard<std::mutex> lock(engine_.eval_mutex());
         bool done = false;
         try {
-            done =
-                engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last, logits_.data(),
-                                     [&](int64_t n) { return !progress || progress(n, int64_t(tokens.size())); });
+            done = engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last,
+                                        all_logits ? logits_.data() : nullptr,
+                                        [&](int64_t n) { return !progress || progress(n, int64_t(tokens.size())); });
         } catch (...) {
             // A failed evaluation leaves the state at an unknown point inside the chunk: start over.
             clear();
             throw;
         }
         tokens_.insert(tokens_.end(), tokens.begin(), tokens.begin() + (state_->n_past() - before));
-        if (!done) logits_.clear();
+        if (done) where_ = all_logits ? LogitsAt::host : LogitsAt::device;
         return done;
     }
 
@@ -189,7 +222,7 @@ class SessionImpl final : public Session {
             size_t(std::mismatch(tokens_.begin(), tokens_.end(), target.begin(), target.end()).first - tokens_.begin());
         // The compressed state cannot be rolled back, so only an extension of what the state holds is reused. A state
         // whose last evaluation was cancelled has no logits: it can be extended, not used as it is.
-        if (common > 0 && common == tokens_.size() && (common < target.size() || !logits_.empty())) {
+        if (common > 0 && common == tokens_.size() && (common < target.size() || has_logits())) {
             if (common < target.size()) eval(target.subspan(common), false, progress);
             return int64_t(common);
         }
@@ -202,16 +235,20 @@ class SessionImpl final : public Session {
         state_->clear();
         tokens_.clear();
         logits_.clear();
+        where_ = LogitsAt::none;
     }
 
     std::string snapshot() const override {
         std::string state = state_->snapshot();
         std::string out;
-        const uint64_t n_tokens = tokens_.size(), n_logits = logits_.size();
+        // The last token's logits only: a restored session samples from them.
+        const std::span<const float> row = has_logits() ? logits().last(size_t(engine_.model().config().n_vocab))
+                                                        : std::span<const float>();
+        const uint64_t n_tokens = tokens_.size(), n_logits = row.size();
         out.append(reinterpret_cast<const char *>(&n_tokens), 8);
         out.append(reinterpret_cast<const char *>(tokens_.data()), tokens_.size() * sizeof(int32_t));
         out.append(reinterpret_cast<const char *>(&n_logits), 8);
-        out.append(reinterpret_cast<const char *>(logits_.data()), logits_.size() * sizeof(float));
+        out.append(reinterpret_cast<const char *>(row.data()), row.size() * sizeof(float));
         out += state;
         return out;
     }
@@ -239,13 +276,18 @@ class SessionImpl final : public Session {
                    state_->n_past());
         tokens_ = std::move(tokens);
         logits_ = std::move(logits);
+        where_ = logits_.empty() ? LogitsAt::none : LogitsAt::host;
     }
 
   private:
     EngineImpl & engine_;
     std::unique_ptr<KvState> state_;
     std::vector<int32_t> tokens_;
-    std::vector<float> logits_;
+    // Where the last eval's logits are: nowhere (cleared, cancelled), in logits_ (every row was asked for, a
+    // restored snapshot, or the row was read), or only in the state's device copy (state_->last_logits()).
+    enum class LogitsAt { none, host, device };
+    mutable LogitsAt where_ = LogitsAt::none;
+    mutable std::vector<float> logits_;
 };
 
 std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) { return std::make_unique<SessionImpl>(*this, n_ctx); }
@@ -285,6 +327,7 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
         q.kv_compressed = kv.compressed_bytes;
         q.kv_indexer = kv.indexer_bytes;
         q.kv_frontier = kv.frontier_bytes;
+        q.kv_logits = kv.logits_bytes;
         q.scratch = 0;
 #if DSV4_HAVE_CUDA
         if (on_gpu) {

@@ -2,6 +2,7 @@
 // what a session allocates, an impossible context is refused with the largest one that fits, and the progress
 // callback counts every tensor byte once, ending at the total.
 #include "dsv4/engine.h"
+#include "dsv4/sampler.h"
 #include "format/gguf.h"
 #include "model/synth.h"
 #include "util/error.h"
@@ -88,6 +89,50 @@ TEST_F(EngineTest, LoadProgressCountsEveryTensorOnce) {
     EXPECT_DOUBLE_EQ(seen.back().fraction(), 1.0);
     // The call before the final one: every tensor of the file is used by the model, so all bytes were counted.
     EXPECT_EQ(seen[seen.size() - 2].bytes_done, file_bytes);
+}
+
+TEST_F(EngineTest, SessionSamplesAsTheSamplerDoesOnTheRow) {
+    // Session::sample goes through the backend's candidates; drawing from the whole row with a sampler of the same
+    // seed must give the same tokens, through decoding, a snapshot and a restore.
+    auto engine = Engine::open(options());
+    auto session = engine->new_session(256);
+    EXPECT_FALSE(session->has_logits());
+    EXPECT_THROW(
+        {
+            SamplingParams p;
+            p.seed = 1;
+            Sampler s(p);
+            session->sample(s);
+        },
+        Error);
+    const std::vector<int32_t> prompt = {5, 17, 300, 2, 99, 410, 7, 8, 9, 10};
+    session->eval(prompt);
+    ASSERT_TRUE(session->has_logits());
+    for (float temperature : {0.0f, 0.7f, 1.0f}) {
+        SamplingParams p;
+        p.temperature = temperature;
+        p.n_logprobs = 3;
+        p.seed = 42;
+        Sampler on_session(p), on_row(p);
+        for (int step = 0; step < 6; ++step) {
+            const SampledToken a = session->sample(on_session);
+            const SampledToken b = on_row.sample(session->logits());
+            ASSERT_EQ(a.id, b.id) << "T " << temperature << " step " << step;
+            EXPECT_NEAR(a.logprob, b.logprob, 1e-5);
+            ASSERT_EQ(a.top.size(), 3u);
+            for (size_t i = 0; i < 3; ++i) EXPECT_EQ(a.top[i].id, b.top[i].id);
+            session->eval(std::vector<int32_t>{a.id});
+        }
+    }
+    const std::string snap = session->snapshot();
+    auto other = engine->new_session(256);
+    other->restore(snap);
+    ASSERT_TRUE(other->has_logits());
+    SamplingParams p;
+    p.greedy = true;
+    p.seed = 1;
+    Sampler g1(p), g2(p);
+    EXPECT_EQ(other->sample(g1).id, session->sample(g2).id);
 }
 
 }  // namespace

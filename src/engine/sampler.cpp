@@ -16,6 +16,21 @@ namespace {
 // NaN counts as -inf: a broken logit must never be chosen.
 inline float clean(float x) { return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x; }
 
+// A row of logits as the draw sees it: entries in ascending id order, NaN already -inf. Either the whole
+// vocabulary or the candidates a device selected; the draw is the same code over both, so one seed gives one token.
+struct FullRow {
+    std::span<const float> logits;
+    size_t size() const { return logits.size(); }
+    int32_t id(size_t i) const { return int32_t(i); }
+    float logit(size_t i) const { return clean(logits[i]); }
+};
+struct CandidateRow {
+    const LogitCandidates & c;
+    size_t size() const { return c.ids.size(); }
+    int32_t id(size_t i) const { return c.ids[i]; }
+    float logit(size_t i) const { return clean(c.logits[i]); }
+};
+
 }  // namespace
 
 Sampler::Sampler(const SamplingParams & p) : params_(p) {
@@ -48,21 +63,47 @@ SampledToken Sampler::sample(std::span<const float> logits) {
     DSV4_CHECK(argmax >= 0 && std::isfinite(max), "sampler: no finite logit among {}", n);
     double sum = 0;
     for (size_t i = 0; i < n; ++i) sum += std::exp(double(clean(logits[i]) - max));
-    const double lse = double(max) + std::log(sum);
+    return draw(FullRow{logits}, max, argmax, double(max) + std::log(sum));
+}
 
+std::optional<SampledToken> Sampler::sample(const LogitCandidates & c) {
+    DSV4_CHECK(!c.ids.empty() && c.ids.size() == c.logits.size() && int64_t(c.ids.size()) <= c.n_vocab,
+               "sampler: {} candidate ids, {} logits, vocabulary {}", c.ids.size(), c.logits.size(), c.n_vocab);
+    DSV4_CHECK(std::isfinite(c.max), "sampler: no finite logit among {}", c.n_vocab);
+    const CandidateRow row{c};
+    // The lowest id holding the maximum is a candidate (ties at the cut go to lower ids).
+    int32_t argmax = -1;
+    float lowest = std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < row.size(); ++i) {
+        if (argmax < 0 && row.logit(i) == c.max) argmax = row.id(i);
+        lowest = std::min(lowest, row.logit(i));
+    }
+    DSV4_CHECK(argmax >= 0, "sampler: the candidates miss the row's maximum {}", c.max);
+    if (!params_.is_greedy() && int64_t(row.size()) < c.n_vocab) {
+        // Tokens outside the candidates have logits <= the lowest candidate's: if that one is cut by min-p (or its
+        // probability underflows to 0), so are they all.
+        const double q = std::exp(double(lowest - c.max) / double(params_.temperature));
+        if (q > 0 && q >= double(params_.min_p)) return std::nullopt;
+    }
+    return draw(row, c.max, argmax, double(c.max) + double(c.log_sum));
+}
+
+template <class Row>
+SampledToken Sampler::draw(const Row & row, float max, int32_t argmax, double lse) {
+    const size_t n = row.size();
     SampledToken out;
     if (params_.n_logprobs > 0) {
-        // The N largest logits, by a bounded min-heap (N <= 20): O(n log N).
+        // The N largest logits, by a bounded min-heap (N <= 20): O(n log N). Entries are row positions.
         const size_t k = std::min<size_t>(size_t(params_.n_logprobs), n);
-        auto worse = [&](int32_t a, int32_t b) {  // heap order: the weakest candidate on top
-            const float la = clean(logits[size_t(a)]), lb = clean(logits[size_t(b)]);
-            return la > lb || (la == lb && a < b);
+        auto worse = [&](size_t a, size_t b) {  // heap order: the weakest candidate on top
+            const float la = row.logit(a), lb = row.logit(b);
+            return la > lb || (la == lb && row.id(a) < row.id(b));
         };
-        std::vector<int32_t> heap;
+        std::vector<size_t> heap;
         heap.reserve(k + 1);
         for (size_t i = 0; i < n; ++i) {
-            if (heap.size() == k && !worse(int32_t(i), heap.front())) continue;
-            heap.push_back(int32_t(i));
+            if (heap.size() == k && !worse(i, heap.front())) continue;
+            heap.push_back(i);
             std::push_heap(heap.begin(), heap.end(), worse);
             if (heap.size() > k) {
                 std::pop_heap(heap.begin(), heap.end(), worse);
@@ -70,18 +111,19 @@ SampledToken Sampler::sample(std::span<const float> logits) {
             }
         }
         std::sort_heap(heap.begin(), heap.end(), worse);
-        for (int32_t id : heap) out.top.push_back({id, float(double(clean(logits[size_t(id)])) - lse)});
+        for (size_t i : heap) out.top.push_back({row.id(i), float(double(row.logit(i)) - lse)});
     }
 
-    int32_t chosen = argmax;
+    out.id = argmax;
+    out.logprob = float(double(max) - lse);
     if (!params_.is_greedy()) {
         // Probabilities relative to the most likely token: q_i = exp((l_i - max) / T), so q_max = 1 and min-p keeps
-        // q_i >= min_p.
+        // q_i >= min_p. ids_ holds row positions, which ascend with the token ids.
         const double inv_t = 1.0 / double(params_.temperature);
         ids_.clear();
         probs_.clear();
         for (size_t i = 0; i < n; ++i) {
-            const double q = std::exp(double(clean(logits[i]) - max) * inv_t);
+            const double q = std::exp(double(row.logit(i) - max) * inv_t);
             if (q > 0 && q >= double(params_.min_p)) {
                 ids_.push_back(int32_t(i));
                 probs_.push_back(float(q));
@@ -128,17 +170,17 @@ SampledToken Sampler::sample(std::span<const float> logits) {
         for (size_t i = 0; i < m; ++i) total += probs_[i];
         const double target = uniform() * total;
         double acc = 0;
-        chosen = ids_[m - 1];  // rounding: a draw past the last cumulative sum takes the last survivor
+        size_t chosen = size_t(ids_[m - 1]);  // rounding: a draw past the last cumulative sum takes the last survivor
         for (size_t i = 0; i < m; ++i) {
             acc += probs_[i];
             if (target < acc) {
-                chosen = ids_[i];
+                chosen = size_t(ids_[i]);
                 break;
             }
         }
+        out.id = row.id(chosen);
+        out.logprob = float(double(row.logit(chosen)) - lse);
     }
-    out.id = chosen;
-    out.logprob = float(double(clean(logits[size_t(chosen)])) - lse);
     return out;
 }
 

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
+#include <optional>
 #include <random>
 
 namespace dsv4 {
@@ -260,6 +262,97 @@ TEST(Sampler, FullVocabularyTopPStaysCorrect) {
     p.top_p = 0.5f;
     Sampler s(p);
     for (int i = 0; i < 30; ++i) EXPECT_TRUE(nucleus.count(s.sample(logits).id));
+}
+
+// What a device hands over (backend top_logits): the k largest (ties to lower ids, NaN as -inf), ascending by id.
+LogitCandidates candidates_of(const std::vector<float> & logits, size_t k) {
+    auto clean = [](float x) { return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x; };
+    std::vector<int32_t> order(logits.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return clean(logits[size_t(a)]) > clean(logits[size_t(b)]) ||
+               (clean(logits[size_t(a)]) == clean(logits[size_t(b)]) && a < b);
+    });
+    order.resize(k);
+    std::sort(order.begin(), order.end());
+    LogitCandidates c;
+    c.n_vocab = int64_t(logits.size());
+    c.max = -std::numeric_limits<float>::infinity();
+    for (float x : logits) c.max = std::max(c.max, clean(x));
+    double sum = 0;
+    for (float x : logits) sum += std::exp(double(clean(x) - c.max));
+    c.log_sum = float(std::log(sum));
+    for (int32_t id : order) {
+        c.ids.push_back(id);
+        c.logits.push_back(clean(logits[size_t(id)]));
+    }
+    return c;
+}
+
+TEST(Sampler, CandidatesDrawWhatTheWholeRowDraws) {
+    // Two samplers with one seed, one given the row and one the candidates (the row only when they cannot decide):
+    // the same tokens, the same log-probabilities, for every setting; peaked rows are decided by the candidates.
+    std::mt19937 gen(11);
+    std::normal_distribution<float> nd(0, 1);
+    const size_t V = 5000, k = 64;
+    struct Case {
+        float temperature, top_p, min_p;
+        int32_t top_k, n_logprobs;
+        bool greedy;
+    };
+    const Case cases[] = {{1, 1, 0.05f, 0, 0, false},  {0.6f, 0.9f, 0.05f, 0, 5, false}, {1, 1, 0.05f, 8, 3, false},
+                          {1, 1, 0, 0, 0, false},      {0, 1, 0.05f, 0, 20, false},     {1, 1, 0.05f, 0, 2, true},
+                          {1.5f, 0.5f, 0.2f, 40, 1, false}};
+    for (const Case & cs : cases) {
+        SamplingParams p;
+        p.temperature = cs.temperature;
+        p.top_p = cs.top_p;
+        p.min_p = cs.min_p;
+        p.top_k = cs.top_k;
+        p.n_logprobs = cs.n_logprobs;
+        p.greedy = cs.greedy;
+        p.seed = 99;
+        Sampler full(p), cand(p);
+        int decided = 0;
+        for (int step = 0; step < 200; ++step) {
+            // Peaked rows (a few tokens far above the rest), flat ones, and ties with NaN and -inf around.
+            std::vector<float> logits(V);
+            const float spread = step % 3 == 0 ? 0.2f : 1.0f;
+            for (float & x : logits) x = spread * nd(gen);
+            if (step % 3 != 0)
+                for (int j = 0; j < 6; ++j) logits[size_t(gen() % V)] = 8.0f + float(j % 3);
+            if (step % 5 == 0) logits[size_t(gen() % V)] = std::numeric_limits<float>::quiet_NaN();
+            if (step % 7 == 0) logits[size_t(gen() % V)] = -std::numeric_limits<float>::infinity();
+            const SampledToken a = full.sample(logits);
+            std::optional<SampledToken> b = cand.sample(candidates_of(logits, k));
+            decided += b.has_value();
+            if (!b) b = cand.sample(logits);
+            ASSERT_EQ(a.id, b->id) << "step " << step << " T " << cs.temperature;
+            EXPECT_NEAR(a.logprob, b->logprob, 1e-5);
+            ASSERT_EQ(a.top.size(), b->top.size());
+            for (size_t i = 0; i < a.top.size(); ++i) {
+                EXPECT_EQ(a.top[i].id, b->top[i].id);
+                EXPECT_NEAR(a.top[i].logprob, b->top[i].logprob, 1e-5);
+            }
+        }
+        if (cs.greedy || cs.temperature == 0) EXPECT_EQ(decided, 200);  // greedy never needs the row
+        else if (cs.min_p > 0) EXPECT_GE(decided, 100);                   // the peaked two thirds at least
+        else EXPECT_EQ(decided, 0);  // min_p 0: any token could be drawn, so the row is always needed
+    }
+}
+
+TEST(Sampler, CandidatesCoveringTheVocabularyAlwaysDecide) {
+    std::vector<float> logits = {0.5f, 0.5f, -1, 2, std::numeric_limits<float>::quiet_NaN()};
+    SamplingParams p = plain(3);
+    Sampler full(p), cand(p);
+    for (int i = 0; i < 50; ++i) {
+        const std::optional<SampledToken> b = cand.sample(candidates_of(logits, logits.size()));
+        ASSERT_TRUE(b.has_value());
+        EXPECT_EQ(full.sample(logits).id, b->id);
+    }
+    LogitCandidates bad = candidates_of(logits, 2);
+    bad.logits.pop_back();
+    EXPECT_THROW(cand.sample(bad), Error);
 }
 
 }  // namespace

@@ -349,7 +349,7 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
     const std::vector<int32_t> & prompt = req.prompt;
     Plan best;
     // A state can serve a prompt it covers completely only if it still has the logits of its last token.
-    auto usable = [](const Session & s, size_t target) { return s.tokens().size() < target || !s.logits().empty(); };
+    auto usable = [](const Session & s, size_t target) { return s.tokens().size() < target || s.has_logits(); };
 
     for (auto & slot : slots_) {  // 1. token prefix
         const std::vector<int32_t> & t = slot->session->tokens();
@@ -564,7 +564,7 @@ void Scheduler::process(GenerationJob & job) {
                 tok.id = script_pos < req.scripted.size() ? req.scripted[script_pos++] : tokenizer_.eos_id();
             else
 #endif
-                tok = sampler.sample(session.logits());
+                tok = session.sample(sampler);
             if (tok.id == tokenizer_.eos_id()) {
                 reason = FinishReason::eos;
                 break;

@@ -43,6 +43,8 @@ class FakeSession final : public Session {
     int64_t n_past() const override { return int64_t(tokens_.size()); }
     const std::vector<int32_t> & tokens() const override { return tokens_; }
     std::span<const float> logits() const override { return logits_; }
+    bool has_logits() const override { return !logits_.empty(); }
+    SampledToken sample(Sampler & sampler) override { return sampler.sample(logits_); }
     void clear() override {
         tokens_.clear();
         logits_.clear();

@@ -49,6 +49,9 @@ struct Model::Workspace {
     Tensor sh_up;      // F32 [n, I]
     Tensor routed;     // F32 [n, D]
     Tensor logits;     // F32 [n, V]
+    Tensor cand_ids;     // I32 [k]: sampling candidates (top_logits), k = min(kSampleCandidates, V)
+    Tensor cand_values;  // F32 [k]
+    Tensor cand_stats;   // F32 [2]: max, log-sum
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
 
     Tensor inv_freq[3];  // F32 [n_rot / 2]: the RoPE frequencies of each LayerKind
@@ -88,6 +91,10 @@ struct Model::Workspace {
         sh_up = make(GgmlType::F32, n, c.expert_ff);
         routed = make(GgmlType::F32, n, D);
         logits = make(GgmlType::F32, n, c.n_vocab);
+        const int64_t k = std::min(kSampleCandidates, c.n_vocab);
+        cand_ids = make(GgmlType::I32, 1, k);
+        cand_values = make(GgmlType::F32, 1, k);
+        cand_stats = make(GgmlType::F32, 1, 2);
         if (with_mtp_cat) mtp_cat = make(GgmlType::F32, n, 2 * D, c.hc);
     }
 
@@ -216,8 +223,22 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         body();
     state.set_n_past(pos0 + n);
     if (rows == 0) return;
+    b.copy(state.last_logits(), w.logits, size_t(c.n_vocab) * sizeof(float), 0,
+           size_t((rows - 1) * c.n_vocab) * sizeof(float));
     if (hidden) b.read(final_streams, hidden, final_streams.n_bytes());
-    b.read(first(w.logits, rows), logits, size_t(rows * c.n_vocab) * sizeof(float));
+    if (logits) b.read(first(w.logits, rows), logits, size_t(rows * c.n_vocab) * sizeof(float));
+}
+
+void Model::top_logits(const KvState & state, int32_t * ids, float * values, float * stats) {
+    Workspace & w = *ws_;
+    backend_.top_logits(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+    backend_.read(w.cand_ids, ids, w.cand_ids.n_bytes());
+    backend_.read(w.cand_values, values, w.cand_values.n_bytes());
+    backend_.read(w.cand_stats, stats, w.cand_stats.n_bytes());
+}
+
+void Model::read_last_logits(const KvState & state, float * logits) {
+    backend_.read(state.last_logits(), logits, state.last_logits().n_bytes());
 }
 
 void Model::write_positions(int64_t pos0, int64_t n) {

@@ -11,6 +11,7 @@
 #include "model/kv_state.h"
 #include "model/weights.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -64,14 +65,24 @@ class Model {
     static uint64_t workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bool with_mtp_cat);
     void set_trace(TraceFn trace) { trace_ = std::move(trace); }
 
-    // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory) gets
-    // n_vocab floats (mode last) or tokens.size()·n_vocab (mode all). `progress(done)` is called after each chunk
+    // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory; may be
+    // null) gets n_vocab floats (mode last) or tokens.size()·n_vocab (mode all); the last token's row also stays in
+    // state.last_logits() in either mode. `progress(done)` is called after each chunk
     // with the number of tokens done; when it returns false, eval stops there (the state covers the finished
     // chunks) and returns false.
     // `hidden`, when given, receives the final hyper-connection streams of the same rows as the logits
     // ([rows, hc, D], before the HC head): what the MTP head continues from.
     bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
               const std::function<bool(int64_t done)> & progress = {}, float * hidden = nullptr);
+
+    // The candidates a sampler draws from (backend top_logits over state.last_logits()): the k largest logits
+    // (k = min(kSampleCandidates, n_vocab)) ascending by id into ids and values [k], and stats [2] = (max,
+    // log Σ exp(l − max)) of the whole row. A few kilobytes cross to the host instead of the row.
+    static constexpr int64_t kSampleCandidates = 1024;
+    int64_t n_candidates() const { return std::min(kSampleCandidates, config_.n_vocab); }
+    void top_logits(const KvState & state, int32_t * ids, float * values, float * stats);
+    // The whole row of state.last_logits() [n_vocab].
+    void read_last_logits(const KvState & state, float * logits);
 
     // The MTP draft head (model-spec.md §8, vLLM's pairing): row i combines the final streams of position
     // pos0 + i (hidden, host F32 [n, hc, D]) with the embedding of the token that follows that position

@@ -66,6 +66,7 @@ KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with
         }
     }
     if (with_mtp) p.raw_bytes += size_t(p.ring * c.head_dim) * f;
+    p.logits_bytes = size_t(c.n_vocab) * f;
     return p;
 }
 
@@ -98,6 +99,7 @@ KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, i
         layers_.push_back(s);
     }
     if (with_mtp) mtp_.raw = tensor(d, ring_);
+    last_logits_ = tensor(config.n_vocab, 1);
     clear();
 }
 

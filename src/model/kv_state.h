@@ -32,7 +32,8 @@ struct KvPlan {
     size_t compressed_bytes = 0;  // all layers' compressed rows
     size_t indexer_bytes = 0;     // all layers' indexer keys
     size_t frontier_bytes = 0;    // compressor frontiers
-    size_t total() const { return raw_bytes + compressed_bytes + indexer_bytes + frontier_bytes; }
+    size_t logits_bytes = 0;      // the last token's logits
+    size_t total() const { return raw_bytes + compressed_bytes + indexer_bytes + frontier_bytes + logits_bytes; }
 };
 
 // ring = window + n_ubatch - 1: a chunk of n_ubatch tokens writes all its rows before attending, and its first
@@ -50,6 +51,9 @@ class KvState {
     const KvPlan & plan() const { return plan_; }
     LayerState & layer(int64_t il) { return layers_[size_t(il)]; }
     LayerState & mtp() { return mtp_; }
+    // F32 [n_vocab]: the logits of the last token evaluated (Model::eval), kept in backend memory so that sampling
+    // reads a few candidates (Model::top_logits) rather than the row. Not part of the snapshot.
+    const Tensor & last_logits() const { return last_logits_; }
     bool has_mtp() const { return bool(mtp_.raw); }
 
     // Empties the state (position 0): frontiers back to (0, -inf). Rows need no clearing: nothing reads a row
@@ -72,6 +76,7 @@ class KvState {
     KvPlan plan_;
     std::vector<LayerState> layers_;
     LayerState mtp_;  // raw ring of the MTP block (when loaded)
+    Tensor last_logits_;
     std::vector<std::unique_ptr<BackendBuffer>> buffers_;
 };
 

@@ -812,6 +812,34 @@ TEST(Ops, Router) {
     }
 }
 
+TEST(Ops, TopLogits) {
+    // Rows of the real vocabulary: peaked, flat (every logit equal: ties decide), with NaN and -inf (fewer finite
+    // logits than k), and a small vocabulary where k is all of it.
+    Store s;
+    for (const auto & [V, k] : {std::pair<int64_t, int64_t>{129280, 1024}, {129280, 20}, {700, 700}}) {
+        const int64_t rows = 4;
+        std::vector<float> l = randn(size_t(rows * V), 3.0f);
+        std::fill(l.begin() + V, l.begin() + 2 * V, 0.25f);
+        for (int64_t i = 0; i < V; ++i)
+            if (i % 3) l[size_t(2 * V + i)] = i % 2 ? std::numeric_limits<float>::quiet_NaN() : -INFINITY;
+        for (int64_t i = 0; i < V; i += 7) l[size_t(3 * V + i)] = l[size_t(3 * V)];  // many ties with row 3's first
+        const Both logits = s.values(l, V, rows);
+        const Both ids = s.out(GgmlType::I32, k, rows), values = s.out(GgmlType::F32, k, rows),
+                   stats = s.out(GgmlType::F32, 2, rows);
+        gpu().top_logits(logits.g, ids.g, values.g, stats.g);
+        cpu().top_logits(logits.c, ids.c, values.c, stats.c);
+        const std::vector<int32_t> gi = read_gpu_ids(ids.g);
+        for (size_t i = 0; i < gi.size(); ++i) ASSERT_EQ(gi[i], ids.c.i32()[i]) << "V " << V << " k " << k << " at " << i;
+        std::vector<float> gv(size_t(k * rows)), gs(size_t(2 * rows));
+        gpu().read(values.g, gv.data(), gv.size() * 4);
+        gpu().read(stats.g, gs.data(), gs.size() * 4);
+        for (size_t i = 0; i < gv.size(); ++i) ASSERT_EQ(gv[i], values.c.f32()[i]) << i;
+        for (size_t i = 0; i < gs.size(); ++i) EXPECT_NEAR(gs[i], stats.c.f32()[i], 1e-5 * std::max(1.0f, std::fabs(gs[i])));
+        std::printf("top_logits V %ld k %ld: ids and values equal, stats (%.6f, %.6f) vs (%.6f, %.6f)\n", long(V),
+                    long(k), gs[0], gs[1], stats.c.f32()[0], stats.c.f32()[1]);
+    }
+}
+
 struct MoeCase {
     GgmlType gate, down;
     int64_t dim, inner, n_expert, k, n;

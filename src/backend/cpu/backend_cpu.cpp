@@ -463,6 +463,32 @@ class CpuBackend final : public Backend {
         });
     }
 
+    // ---- sampling --------------------------------------------------------------------------------------------
+    void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) override {
+        const int64_t n_vocab = logits.ne[0], k = ids.ne[0];
+        std::vector<int32_t> order(static_cast<size_t>(n_vocab));
+        for (int64_t r = 0; r < logits.rows(); ++r) {
+            const float * row = logits.f32() + r * n_vocab;
+            auto clean = [&](int32_t i) { return std::isnan(row[i]) ? -std::numeric_limits<float>::infinity() : row[i]; };
+            float max = -std::numeric_limits<float>::infinity();
+            for (int64_t i = 0; i < n_vocab; ++i) max = std::max(max, clean(int32_t(i)));
+            double sum = 0;
+            if (max > -std::numeric_limits<float>::infinity())
+                for (int64_t i = 0; i < n_vocab; ++i) sum += double(std::exp(clean(int32_t(i)) - max));
+            std::iota(order.begin(), order.end(), 0);
+            std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
+                return clean(a) > clean(b) || (clean(a) == clean(b) && a < b);
+            });
+            std::sort(order.begin(), order.begin() + k);
+            for (int64_t j = 0; j < k; ++j) {
+                ids.i32()[r * k + j] = order[size_t(j)];
+                values.f32()[r * k + j] = clean(order[size_t(j)]);
+            }
+            stats.f32()[2 * r] = max;
+            stats.f32()[2 * r + 1] = float(std::log(sum));
+        }
+    }
+
     // ---- mixture of experts ----------------------------------------------------------------------------------
     void router(const Tensor & logits, const Tensor & bias, const Tensor & tid2eid, const Tensor & tokens,
                 float route_scale, const Tensor & experts, const Tensor & weights) override {

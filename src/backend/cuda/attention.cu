@@ -180,51 +180,9 @@ __global__ void indexer_scores_kernel(const IndexerArgs a) {
     }
 }
 
-// Order-preserving key of a score: larger score, larger key; -0 and +0 equal; NaN lowest.
-__device__ __forceinline__ uint32_t score_key(float f) {
-    if (f != f) return 0;
-    const uint32_t b = __float_as_uint(f + 0.0f);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// Exclusive scan of one flag per thread over the block (blockDim.x = 1024); returns the block total.
-__device__ int block_exclusive_scan(int v, int & excl, int * red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int t = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += t;
-    }
-    __syncthreads();
-    if (lane == 31) red[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        const int w = lane < int(blockDim.x >> 5) ? red[lane] : 0;
-        int wi = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(kFull, wi, o);
-            if (lane >= o) wi += t;
-        }
-        red[lane] = wi - w;  // exclusive prefix of warp totals
-        if (lane == 31) red[32] = wi;
-    }
-    __syncthreads();
-    excl = red[warp] + incl - v;
-    return red[32];
-}
-
-// The top_k highest scores (ties to the lower row), written ascending: a 4-pass 8-bit radix select finds the
-// k-th key; one ordered pass keeps the rows above it and the first rows equal to it.
-constexpr int kTopkThreads = 1024;
-
+// The top_k highest scores of each token's visible rows (block_top_k: ties to the lower row, ascending).
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
     pdl_begin();
-    __shared__ int hist[256];
-    __shared__ int red[33];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_remaining;
     const int64_t t = blockIdx.x;
     const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
     int32_t * sel = a.selected + t * a.top_k;
@@ -232,68 +190,7 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const Indexe
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
         return;
     }
-    const float * sc = a.scores + t * a.capacity;
-    if (threadIdx.x == 0) {
-        s_prefix = 0;
-        s_remaining = int(a.top_k);
-    }
-    uint32_t mask = 0;
-    for (int pass = 0; pass < 4; ++pass) {
-        const int shift = 24 - 8 * pass;
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        const uint32_t prefix = s_prefix;
-        for (int64_t i = threadIdx.x; i < visible; i += blockDim.x) {
-            const uint32_t k = score_key(sc[i]);
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1);
-        }
-        __syncthreads();
-        // The digit holding the remaining k-th key: warp 0 scans the histogram from the top digit down, each lane
-        // over 8 digits, then the lane where the running count reaches it walks its own 8.
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x, rem = s_remaining;
-            int local = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
-            int incl = local;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(kFull, incl, o);
-                if (lane >= o) incl += v;
-            }
-            const int excl = incl - local;
-            if (excl < rem && incl >= rem) {
-                int cum = excl;
-                for (int j = 0; j < 8; ++j) {
-                    const int dgt = 255 - 8 * lane - j;
-                    if (cum + hist[dgt] >= rem) {
-                        s_prefix = prefix | (uint32_t(dgt) << shift);
-                        s_remaining = rem - cum;
-                        break;
-                    }
-                    cum += hist[dgt];
-                }
-            }
-        }
-        mask |= 255u << shift;
-        __syncthreads();
-    }
-    const uint32_t thr = s_prefix;
-    const int need_eq = s_remaining;
-    int taken = 0, eq_seen = 0;
-    for (int64_t base = 0; base < visible; base += blockDim.x) {
-        const int64_t i = base + threadIdx.x;
-        const uint32_t k = i < visible ? score_key(sc[i]) : 0;
-        const int gt = i < visible && k > thr, eq = i < visible && k == thr;
-        int eq_rank;
-        const int eq_total = block_exclusive_scan(eq, eq_rank, red);
-        const int take = gt || (eq && eq_seen + eq_rank < need_eq);
-        int out;
-        const int take_total = block_exclusive_scan(take, out, red);
-        if (take) sel[taken + out] = int32_t(i);
-        taken += take_total;
-        eq_seen += eq_total;
-    }
+    block_top_k(a.scores + t * a.capacity, visible, int(a.top_k), sel, ScoreKey{});
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

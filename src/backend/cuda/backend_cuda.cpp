@@ -473,6 +473,13 @@ class CudaBackend final : public Backend {
         launched("router");
     }
 
+    void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) override {
+        const OpScope scope(*this, "top_logits");
+        cuda::top_logits(logits.f32(), logits.rows(), logits.ne[0], ids.ne[0], ids.i32(), values.f32(), stats.f32(),
+                         stream_);
+        launched("top_logits");
+    }
+
     void moe(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate, const Tensor & up,
              const Tensor & down, float limit, const Tensor & out) override {
         const OpScope scope(*this, "moe");

@@ -444,6 +444,48 @@ __global__ void hc_post_kernel(const float * streams, const float * o, const flo
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
+// Sampling candidates: one block per row of logits
+// ---------------------------------------------------------------------------------------------------------------------
+// The row's k largest logits (ties to the lower id, NaN as -inf) ascending by id with their values, and its max and
+// log Σ exp(l − max), so that the host samples from k numbers instead of reading the vocabulary.
+__global__ void __launch_bounds__(kTopkThreads) top_logits_kernel(const float * logits, int64_t n_vocab, int k,
+                                                                  int32_t * ids, float * values, float * stats) {
+    pdl_begin();
+    __shared__ float red_f[32];
+    __shared__ double red_d[32];
+    const float * row = logits + int64_t(blockIdx.x) * n_vocab;
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+        const float x = row[i];
+        if (x == x) m = fmaxf(m, x);
+    }
+    m = warp_max(m);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red_f[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = warp_max((threadIdx.x & 31) < (blockDim.x >> 5) ? red_f[threadIdx.x & 31] : -INFINITY);
+    // Each term in f32 (exp of a value <= 0), the sum in double: the CPU sums double exps; both agree to ~1e-7.
+    double sum = 0;
+    if (m > -INFINITY)
+        for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+            const float x = row[i];
+            if (x == x) sum += double(expf(x - m));
+        }
+    sum = block_sum(sum, red_d);
+    int32_t * sel = ids + int64_t(blockIdx.x) * k;
+    block_top_k(row, n_vocab, k, sel, LogitKey{});
+    __syncthreads();
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        const float x = row[sel[j]];
+        values[int64_t(blockIdx.x) * k + j] = x == x ? x : -INFINITY;
+    }
+    if (threadIdx.x == 0) {
+        stats[2 * blockIdx.x] = m;
+        stats[2 * blockIdx.x + 1] = float(log(sum));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // Router: one warp per token
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kRouterWarps = 4;
@@ -619,6 +661,13 @@ void router(const float * logits, const float * bias, const int32_t * tid2eid, c
     const size_t smem = size_t(kRouterWarps) * 2 * size_t(n_expert) * sizeof(float);
     launch(router_kernel, dim3(blocks_for(n, kRouterWarps)), dim3(kRouterWarps * 32), smem, s, logits, bias, tid2eid,
            tokens, n, int(n_expert), int(k), route_scale, experts, weights);
+}
+
+void top_logits(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
+                float * stats, cudaStream_t s) {
+    if (rows > 0)
+        launch(top_logits_kernel, dim3(unsigned(rows)), dim3(kTopkThreads), 0, s, logits, n_vocab, int(k), ids, values,
+               stats);
 }
 
 }  // namespace dsv4::cuda
