@@ -173,6 +173,16 @@ int run_kernels(const CudaBackendOptions & options) {
                     bytes / many / 1e3, each);
     }
     {
+        // Sampling candidates of one row of the real vocabulary: normal logits, then all equal (ties everywhere).
+        const int64_t V = 129280;
+        const Tensor logits = B.act(V, 1), stats = B.act(4, 1), values = B.act(1024, 1);
+        const Tensor ids = B.act(1024, 1, 1, 1, GgmlType::I32);
+        const double us = B.time([&] { B.b.logit_candidates(logits, ids, values, stats); });
+        B.b.fill(logits, 0.5f);
+        const double flat = B.time([&] { B.b.logit_candidates(logits, ids, values, stats); });
+        std::printf("logit_candidates of %ld        %9.1f us (all logits equal: %.1f us)\n", V, us, flat);
+    }
+    {
         const int64_t E = 32, D = 4096, I = 2048, k = 6;
         const Tensor gate = B.weight(GgmlType::IQ2_XXS, D, I, E), up = B.weight(GgmlType::IQ2_XXS, D, I, E);
         const Tensor down = B.weight(GgmlType::Q2_K, I, D, E);

@@ -41,14 +41,16 @@ struct SampledToken {
     std::vector<TokenLogprob> top;  // the n_logprobs most likely tokens, most likely first
 };
 
-// The k largest logits of a row and what the rest contributes, as a GPU hands them over instead of the whole row
-// (Session::sample): ids ascending, ties at the k-th value resolved to the lower ids; max and log_sum describe the
-// whole row (log-sum-exp = max + log_sum), NaN counting as -inf.
+// The largest logits of a row and what the rest contributes, as a GPU hands them over instead of the whole row
+// (Session::sample, backend logit_candidates): every logit left out is below every candidate (so equal logits are
+// both in or both out); there may be none. max, log_sum and argmax describe the whole row (log-sum-exp = max +
+// log_sum), NaN counting as -inf.
 struct LogitCandidates {
     std::vector<int32_t> ids;   // ascending
     std::vector<float> logits;  // logits[i] of token ids[i]
     float max = 0;              // largest logit of the row
     float log_sum = 0;          // log Σ exp(l − max) over the row
+    int32_t argmax = 0;         // lowest id holding max
     int64_t n_vocab = 0;
 };
 
@@ -60,9 +62,10 @@ class Sampler {
 
     // Draws one token from logits [n_vocab] (f32). Non-finite logits never win: -inf and NaN count as impossible.
     SampledToken sample(std::span<const float> logits);
-    // The same draw from candidates, when they decide it: every token the settings could draw is among them (always
-    // for greedy decoding, and when the smallest candidate is below the min-p cut). Returns nothing otherwise,
-    // having drawn no random number: the caller then passes the whole row. Same seed, same token either way.
+    // The same draw from candidates, when they decide it: every token the settings could draw or report is among
+    // them (greedy decoding with at most as many log-probabilities as candidates; otherwise when the smallest
+    // candidate is below the min-p cut). Returns nothing otherwise, having drawn no random number: the caller then
+    // passes the whole row. Same seed, same token either way.
     std::optional<SampledToken> sample(const LogitCandidates & candidates);
 
     const SamplingParams & params() const { return params_; }

@@ -80,6 +80,9 @@ struct CompressedRows {
                         // rows visible to the query", i.e. b < floor((pos + 1) / R)
 };
 
+constexpr int kCandidateBinsPerNat = 32;  // logit_candidates: bin width 1/32 nat
+constexpr int kCandidateBins = 1024;      // over 32 nats below the maximum
+
 struct MatmulTarget {
     Tensor w;  // [in, out_i], any weight type
     Tensor y;  // F32 [n, out_i]
@@ -193,11 +196,15 @@ class Backend {
                            const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) = 0;
 
     // ---- sampling --------------------------------------------------------------------------------------------
-    // Per row of logits [rows, V]: ids I32 [rows, k] of the k largest logits (ties to the lower id; NaN counts as
-    // -inf), ascending; values F32 [rows, k] their logits (NaN as -inf); stats F32 [rows, 2] = (max of the row's
-    // logits, log Σ exp(l − max)) over the non-NaN ones (max -inf and log-sum -inf when there are none). k <= V.
-    // A sampler reads these instead of the row when every token it could draw is among the k.
-    virtual void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) = 0;
+    // Per row of logits [rows, V] (NaN counts as -inf), the few a sampler can draw, so that the row need not leave
+    // the device. With m the row's maximum, logit l falls in bin floor((m − l)·kCandidateBinsPerNat) (f32
+    // arithmetic; bins 0 .. kCandidateBins − 1 hold the logits within 32 nats of m); the candidates are the logits
+    // of as many of the lowest bins as fit in k together: ids I32 [rows, k] ascending (then -1), values F32
+    // [rows, k] (then -inf), stats F32 [rows, 4] = (m, log Σ exp(l − m), number of candidates, lowest id holding m).
+    // Every logit left out is below every candidate; there are none when more than k logits share the top bin.
+    // k <= kCandidateBins.
+    virtual void logit_candidates(const Tensor & logits, const Tensor & ids, const Tensor & values,
+                                  const Tensor & stats) = 0;
 
     // ---- mixture of experts ----------------------------------------------------------------------------------
     // Router: p = sqrt(softplus(logits [n, E])). Hash layers (tid2eid I32 [k, V] given) take experts

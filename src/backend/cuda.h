@@ -16,6 +16,10 @@ struct CudaBackendOptions {
     // Products of many tokens (prefill) on the tensor cores with f16 activations; false: every product on the
     // integer dot products with 8-bit activations, the CPU backend's quantized arithmetic.
     bool tensor_cores = true;
+    // After copying each piece of a weight, give the source pages back to the kernel (MADV_PAGEOUT on the mapped
+    // file), so the weights are not held twice. Always on for an integrated GPU (GB10: device memory and the page
+    // cache share the same 128 GB); tests turn it on elsewhere.
+    bool release_host_pages = false;
 };
 
 // Number of usable CUDA devices; 0 when the driver or runtime is missing or reports none (never throws).

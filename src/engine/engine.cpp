@@ -181,13 +181,16 @@ class SessionImpl final : public Session {
             c.n_vocab = n_vocab;
             c.ids.resize(size_t(model.n_candidates()));
             c.logits.resize(c.ids.size());
-            float stats[2];
+            float stats[4];
             {
                 std::lock_guard<std::mutex> lock(engine_.eval_mutex());
-                model.top_logits(*state_, c.ids.data(), c.logits.data(), stats);
+                model.logit_candidates(*state_, c.ids.data(), c.logits.data(), stats);
             }
             c.max = stats[0];
             c.log_sum = stats[1];
+            c.ids.resize(size_t(stats[2]));  // counts and ids below 2^24 are exact in f32
+            c.logits.resize(c.ids.size());
+            c.argmax = int32_t(stats[3]);
             if (auto token = sampler.sample(c)) return *token;
         }
         return sampler.sample(logits().last(size_t(n_vocab)));

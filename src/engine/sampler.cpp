@@ -1,5 +1,6 @@
 // The sampler (include/dsv4/sampler.h). One pass finds the maximum and the log-sum-exp; min-p then prunes in the
-// same pass, so the common case (min_p 0.05, no top-k/top-p) never sorts the vocabulary.
+// same pass, so the common case (min_p 0.05, no top-k/top-p) never sorts the vocabulary. From a device's
+// candidates the same draw runs over a few hundred logits instead of the vocabulary.
 #include "dsv4/sampler.h"
 
 #include "util/error.h"
@@ -67,25 +68,26 @@ SampledToken Sampler::sample(std::span<const float> logits) {
 }
 
 std::optional<SampledToken> Sampler::sample(const LogitCandidates & c) {
-    DSV4_CHECK(!c.ids.empty() && c.ids.size() == c.logits.size() && int64_t(c.ids.size()) <= c.n_vocab,
-               "sampler: {} candidate ids, {} logits, vocabulary {}", c.ids.size(), c.logits.size(), c.n_vocab);
+    DSV4_CHECK(c.ids.size() == c.logits.size() && int64_t(c.ids.size()) <= c.n_vocab && c.argmax >= 0 &&
+                   c.argmax < c.n_vocab,
+               "sampler: {} candidate ids, {} logits, argmax {}, vocabulary {}", c.ids.size(), c.logits.size(),
+               c.argmax, c.n_vocab);
     DSV4_CHECK(std::isfinite(c.max), "sampler: no finite logit among {}", c.n_vocab);
     const CandidateRow row{c};
-    // The lowest id holding the maximum is a candidate (ties at the cut go to lower ids).
-    int32_t argmax = -1;
-    float lowest = std::numeric_limits<float>::infinity();
-    for (size_t i = 0; i < row.size(); ++i) {
-        if (argmax < 0 && row.logit(i) == c.max) argmax = row.id(i);
-        lowest = std::min(lowest, row.logit(i));
+    if (int64_t(row.size()) < c.n_vocab) {
+        // The top log-probabilities must all be candidates.
+        if (size_t(params_.n_logprobs) > row.size()) return std::nullopt;
+        if (!params_.is_greedy()) {
+            // Tokens left out have logits below the lowest candidate's: if min-p cuts that one (or its
+            // probability underflows to 0), it cuts them all.
+            if (row.size() == 0) return std::nullopt;
+            float lowest = std::numeric_limits<float>::infinity();
+            for (size_t i = 0; i < row.size(); ++i) lowest = std::min(lowest, row.logit(i));
+            const double q = std::exp(double(lowest - c.max) / double(params_.temperature));
+            if (q > 0 && q >= double(params_.min_p)) return std::nullopt;
+        }
     }
-    DSV4_CHECK(argmax >= 0, "sampler: the candidates miss the row's maximum {}", c.max);
-    if (!params_.is_greedy() && int64_t(row.size()) < c.n_vocab) {
-        // Tokens outside the candidates have logits <= the lowest candidate's: if that one is cut by min-p (or its
-        // probability underflows to 0), so are they all.
-        const double q = std::exp(double(lowest - c.max) / double(params_.temperature));
-        if (q > 0 && q >= double(params_.min_p)) return std::nullopt;
-    }
-    return draw(row, c.max, argmax, double(c.max) + double(c.log_sum));
+    return draw(row, c.max, c.argmax, double(c.max) + double(c.log_sum));
 }
 
 template <class Row>

@@ -4,6 +4,7 @@
 #include "util/error.h"
 
 #include <cmath>
+#include <cstring>
 
 namespace dsv4 {
 
@@ -49,9 +50,10 @@ struct Model::Workspace {
     Tensor sh_up;      // F32 [n, I]
     Tensor routed;     // F32 [n, D]
     Tensor logits;     // F32 [n, V]
-    Tensor cand_ids;     // I32 [k]: sampling candidates (top_logits), k = min(kSampleCandidates, V)
+    Tensor candidates;   // [2k + 4] 32-bit words: the three views below, k = min(kSampleCandidates, V)
+    Tensor cand_ids;     // I32 [k]: sampling candidates (logit_candidates)
     Tensor cand_values;  // F32 [k]
-    Tensor cand_stats;   // F32 [2]: max, log-sum
+    Tensor cand_stats;   // F32 [4]: max, log-sum, count, argmax
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
 
     Tensor inv_freq[3];  // F32 [n_rot / 2]: the RoPE frequencies of each LayerKind
@@ -91,10 +93,13 @@ struct Model::Workspace {
         sh_up = make(GgmlType::F32, n, c.expert_ff);
         routed = make(GgmlType::F32, n, D);
         logits = make(GgmlType::F32, n, c.n_vocab);
+        // The candidates share one buffer so that one read brings them to the host.
         const int64_t k = std::min(kSampleCandidates, c.n_vocab);
-        cand_ids = make(GgmlType::I32, 1, k);
-        cand_values = make(GgmlType::F32, 1, k);
-        cand_stats = make(GgmlType::F32, 1, 2);
+        candidates = make(GgmlType::F32, 1, 2 * k + 4);
+        float * base = candidates.f32();
+        cand_ids = make_tensor(GgmlType::I32, base, k);
+        cand_values = make_tensor(GgmlType::F32, base ? base + k : nullptr, k);
+        cand_stats = make_tensor(GgmlType::F32, base ? base + 2 * k : nullptr, 4);
         if (with_mtp_cat) mtp_cat = make(GgmlType::F32, n, 2 * D, c.hc);
     }
 
@@ -229,12 +234,15 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     if (logits) b.read(first(w.logits, rows), logits, size_t(rows * c.n_vocab) * sizeof(float));
 }
 
-void Model::top_logits(const KvState & state, int32_t * ids, float * values, float * stats) {
+void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {
     Workspace & w = *ws_;
-    backend_.top_logits(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
-    backend_.read(w.cand_ids, ids, w.cand_ids.n_bytes());
-    backend_.read(w.cand_values, values, w.cand_values.n_bytes());
-    backend_.read(w.cand_stats, stats, w.cand_stats.n_bytes());
+    backend_.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+    std::vector<float> all(size_t(w.candidates.ne[0]));
+    backend_.read(w.candidates, all.data(), all.size() * sizeof(float));
+    const size_t k = size_t(w.cand_ids.ne[0]);
+    std::memcpy(ids, all.data(), k * sizeof(int32_t));
+    std::memcpy(values, all.data() + k, k * sizeof(float));
+    std::memcpy(stats, all.data() + 2 * k, 4 * sizeof(float));
 }
 
 void Model::read_last_logits(const KvState & state, float * logits) {

@@ -75,12 +75,12 @@ class Model {
     bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
               const std::function<bool(int64_t done)> & progress = {}, float * hidden = nullptr);
 
-    // The candidates a sampler draws from (backend top_logits over state.last_logits()): the k largest logits
-    // (k = min(kSampleCandidates, n_vocab)) ascending by id into ids and values [k], and stats [2] = (max,
-    // log Σ exp(l − max)) of the whole row. A few kilobytes cross to the host instead of the row.
+    // What a sampler draws from, instead of the row (backend logit_candidates over state.last_logits()): up to
+    // kSampleCandidates ids ascending and their logits into ids and values [n_candidates()], and stats [4] = (max,
+    // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host.
     static constexpr int64_t kSampleCandidates = 1024;
     int64_t n_candidates() const { return std::min(kSampleCandidates, config_.n_vocab); }
-    void top_logits(const KvState & state, int32_t * ids, float * values, float * stats);
+    void logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats);
     // The whole row of state.last_logits() [n_vocab].
     void read_last_logits(const KvState & state, float * logits);
 

@@ -52,7 +52,7 @@ class KvState {
     LayerState & layer(int64_t il) { return layers_[size_t(il)]; }
     LayerState & mtp() { return mtp_; }
     // F32 [n_vocab]: the logits of the last token evaluated (Model::eval), kept in backend memory so that sampling
-    // reads a few candidates (Model::top_logits) rather than the row. Not part of the snapshot.
+    // reads a few candidates (Model::logit_candidates) rather than the row. Not part of the snapshot.
     const Tensor & last_logits() const { return last_logits_; }
     bool has_mtp() const { return bool(mtp_.raw); }
 

@@ -812,31 +812,49 @@ TEST(Ops, Router) {
     }
 }
 
-TEST(Ops, TopLogits) {
-    // Rows of the real vocabulary: peaked, flat (every logit equal: ties decide), with NaN and -inf (fewer finite
-    // logits than k), and a small vocabulary where k is all of it.
+TEST(Ops, LogitCandidates) {
+    // Rows of the real vocabulary: normal logits at two spreads (many candidates fit, or few), one flat row (more
+    // than k share the top bin: none), one with NaN and -inf, and one peaked (a few far above the rest).
     Store s;
     for (const auto & [V, k] : {std::pair<int64_t, int64_t>{129280, 1024}, {129280, 20}, {700, 700}}) {
-        const int64_t rows = 4;
+        const int64_t rows = 5;
         std::vector<float> l = randn(size_t(rows * V), 3.0f);
-        std::fill(l.begin() + V, l.begin() + 2 * V, 0.25f);
+        for (int64_t i = 0; i < V; ++i) l[size_t(V + i)] *= 0.05f;
+        std::fill(l.begin() + 2 * V, l.begin() + 3 * V, 0.25f);
         for (int64_t i = 0; i < V; ++i)
-            if (i % 3) l[size_t(2 * V + i)] = i % 2 ? std::numeric_limits<float>::quiet_NaN() : -INFINITY;
-        for (int64_t i = 0; i < V; i += 7) l[size_t(3 * V + i)] = l[size_t(3 * V)];  // many ties with row 3's first
+            if (i % 3) l[size_t(3 * V + i)] = i % 2 ? std::numeric_limits<float>::quiet_NaN() : -INFINITY;
+        for (int64_t i = 0; i < 6; ++i) l[size_t(4 * V + (i * 7919) % V)] = 30.0f + float(i % 2);
         const Both logits = s.values(l, V, rows);
         const Both ids = s.out(GgmlType::I32, k, rows), values = s.out(GgmlType::F32, k, rows),
-                   stats = s.out(GgmlType::F32, 2, rows);
-        gpu().top_logits(logits.g, ids.g, values.g, stats.g);
-        cpu().top_logits(logits.c, ids.c, values.c, stats.c);
+                   stats = s.out(GgmlType::F32, 4, rows);
+        gpu().logit_candidates(logits.g, ids.g, values.g, stats.g);
+        cpu().logit_candidates(logits.c, ids.c, values.c, stats.c);
         const std::vector<int32_t> gi = read_gpu_ids(ids.g);
         for (size_t i = 0; i < gi.size(); ++i) ASSERT_EQ(gi[i], ids.c.i32()[i]) << "V " << V << " k " << k << " at " << i;
-        std::vector<float> gv(size_t(k * rows)), gs(size_t(2 * rows));
+        std::vector<float> gv(size_t(k * rows)), gs(size_t(4 * rows));
         gpu().read(values.g, gv.data(), gv.size() * 4);
         gpu().read(stats.g, gs.data(), gs.size() * 4);
         for (size_t i = 0; i < gv.size(); ++i) ASSERT_EQ(gv[i], values.c.f32()[i]) << i;
-        for (size_t i = 0; i < gs.size(); ++i) EXPECT_NEAR(gs[i], stats.c.f32()[i], 1e-5 * std::max(1.0f, std::fabs(gs[i])));
-        std::printf("top_logits V %ld k %ld: ids and values equal, stats (%.6f, %.6f) vs (%.6f, %.6f)\n", long(V),
-                    long(k), gs[0], gs[1], stats.c.f32()[0], stats.c.f32()[1]);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float * cs = stats.c.f32() + 4 * r;
+            EXPECT_EQ(gs[size_t(4 * r)], cs[0]);                                       // max
+            EXPECT_NEAR(gs[size_t(4 * r + 1)], cs[1], 1e-5 * std::max(1.0f, cs[1]));  // log-sum
+            EXPECT_EQ(gs[size_t(4 * r + 2)], cs[2]);                                   // count
+            EXPECT_EQ(gs[size_t(4 * r + 3)], cs[3]);                                   // argmax
+            // Every logit left out is below every candidate.
+            const int64_t n = int64_t(cs[2]);
+            float lowest = INFINITY;
+            std::vector<bool> in(size_t(V), false);
+            for (int64_t j = 0; j < n; ++j) {
+                lowest = std::min(lowest, values.c.f32()[r * k + j]);
+                in[size_t(ids.c.i32()[r * k + j])] = true;
+            }
+            for (int64_t i = 0; i < V && n > 0; ++i) {
+                if (!in[size_t(i)] && !std::isnan(l[size_t(r * V + i)])) ASSERT_LT(l[size_t(r * V + i)], lowest);
+            }
+            std::printf("logit_candidates V %ld k %ld row %ld: %ld candidates, argmax %.0f, log-sum %.6f vs %.6f\n",
+                        long(V), long(k), long(r), long(n), cs[3], gs[size_t(4 * r + 1)], cs[1]);
+        }
     }
 }
 

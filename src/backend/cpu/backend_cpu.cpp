@@ -464,28 +464,44 @@ class CpuBackend final : public Backend {
     }
 
     // ---- sampling --------------------------------------------------------------------------------------------
-    void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) override {
+    void logit_candidates(const Tensor & logits, const Tensor & ids, const Tensor & values,
+                          const Tensor & stats) override {
         const int64_t n_vocab = logits.ne[0], k = ids.ne[0];
-        std::vector<int32_t> order(static_cast<size_t>(n_vocab));
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        std::vector<int64_t> bins(static_cast<size_t>(n_vocab));
         for (int64_t r = 0; r < logits.rows(); ++r) {
             const float * row = logits.f32() + r * n_vocab;
-            auto clean = [&](int32_t i) { return std::isnan(row[i]) ? -std::numeric_limits<float>::infinity() : row[i]; };
-            float max = -std::numeric_limits<float>::infinity();
-            for (int64_t i = 0; i < n_vocab; ++i) max = std::max(max, clean(int32_t(i)));
+            auto clean = [&](int64_t i) { return std::isnan(row[i]) ? neg_inf : row[i]; };
+            float max = neg_inf;
+            int64_t argmax = 0;
+            for (int64_t i = 0; i < n_vocab; ++i)
+                if (clean(i) > max) max = clean(i), argmax = i;
             double sum = 0;
-            if (max > -std::numeric_limits<float>::infinity())
-                for (int64_t i = 0; i < n_vocab; ++i) sum += double(std::exp(clean(int32_t(i)) - max));
-            std::iota(order.begin(), order.end(), 0);
-            std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int32_t a, int32_t b) {
-                return clean(a) > clean(b) || (clean(a) == clean(b) && a < b);
-            });
-            std::sort(order.begin(), order.begin() + k);
-            for (int64_t j = 0; j < k; ++j) {
-                ids.i32()[r * k + j] = order[size_t(j)];
-                values.f32()[r * k + j] = clean(order[size_t(j)]);
+            std::vector<int64_t> hist(kCandidateBins, 0);
+            for (int64_t i = 0; i < n_vocab; ++i) {
+                bins[size_t(i)] = kCandidateBins;
+                if (max == neg_inf || clean(i) == neg_inf) continue;
+                sum += double(std::exp(clean(i) - max));
+                const float d = (max - clean(i)) * float(kCandidateBinsPerNat);
+                if (d < float(kCandidateBins)) ++hist[size_t(bins[size_t(i)] = int64_t(d))];
             }
-            stats.f32()[2 * r] = max;
-            stats.f32()[2 * r + 1] = float(std::log(sum));
+            int64_t kept_bins = 0, count = 0;
+            while (kept_bins < kCandidateBins && count + hist[size_t(kept_bins)] <= k) count += hist[size_t(kept_bins++)];
+            int64_t j = 0;
+            for (int64_t i = 0; i < n_vocab; ++i)
+                if (bins[size_t(i)] < kept_bins) {
+                    ids.i32()[r * k + j] = int32_t(i);
+                    values.f32()[r * k + j++] = clean(i);
+                }
+            for (; j < k; ++j) {
+                ids.i32()[r * k + j] = -1;
+                values.f32()[r * k + j] = neg_inf;
+            }
+            float * st = stats.f32() + 4 * r;
+            st[0] = max;
+            st[1] = float(std::log(sum));
+            st[2] = float(count);
+            st[3] = float(argmax);
         }
     }
 

@@ -180,6 +180,103 @@ __global__ void indexer_scores_kernel(const IndexerArgs a) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// Indexer top-k
+// ---------------------------------------------------------------------------------------------------------------------
+// Order-preserving key of a score: larger score, larger key; -0 and +0 equal; NaN lowest.
+__device__ __forceinline__ uint32_t score_key(float f) {
+    if (f != f) return 0;
+    const uint32_t b = __float_as_uint(f + 0.0f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+
+// The k highest of n scores (ties to the lower index), their indices written ascending to sel[0, k), k <= n:
+// a 4-pass 8-bit radix select over score_key finds the k-th key, then one ordered pass keeps the indices above it
+// and the first ones equal to it. Called by every thread of a block of kTopkThreads.
+constexpr int kTopkThreads = 1024;
+
+__device__ void block_top_k(const float * sc, int64_t n, int k, int32_t * sel) {
+    __shared__ int hist[256];
+    __shared__ int red[33];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_remaining;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_remaining = k;
+    }
+    uint32_t mask = 0;
+    for (int pass = 0; pass < 4; ++pass) {
+        const int shift = 24 - 8 * pass;
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const uint32_t prefix = s_prefix;
+        // Scores cluster in a few digits (a row of logits shares sign and exponent bytes), so lanes of a warp agree
+        // on a digit first and one of them adds the group's count: one shared atomic per distinct digit per warp.
+        for (int64_t base = 0; base < n; base += blockDim.x) {
+            const int64_t i = base + threadIdx.x;
+            const uint32_t kv = i < n ? score_key(sc[i]) : 0;
+            const bool in = i < n && (kv & mask) == prefix;
+            const unsigned voters = __ballot_sync(kFull, in);
+            if (in) {
+                const int digit = int((kv >> shift) & 255);
+                const unsigned same = __match_any_sync(voters, digit);
+                if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[digit], __popc(same));
+            }
+        }
+        __syncthreads();
+        // The digit holding the remaining k-th key: warp 0 scans the histogram from the top digit down, each lane
+        // over 8 digits, then the lane where the running count reaches it walks its own 8.
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x, rem = s_remaining;
+            int local = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
+            int incl = local;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(kFull, incl, o);
+                if (lane >= o) incl += v;
+            }
+            const int excl = incl - local;
+            if (excl < rem && incl >= rem) {
+                int cum = excl;
+                for (int j = 0; j < 8; ++j) {
+                    const int dgt = 255 - 8 * lane - j;
+                    if (cum + hist[dgt] >= rem) {
+                        s_prefix = prefix | (uint32_t(dgt) << shift);
+                        s_remaining = rem - cum;
+                        break;
+                    }
+                    cum += hist[dgt];
+                }
+            }
+        }
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    // Ordered compaction: thread t owns the contiguous indices [t·c, (t+1)·c); three block scans give each thread
+    // its first output slot and how many of the keys equal to the k-th it keeps (the lowest indices win).
+    const uint32_t thr = s_prefix;
+    const int need_eq = s_remaining;
+    const int64_t c = (n + blockDim.x - 1) / blockDim.x, lo = min(n, int64_t(threadIdx.x) * c), hi = min(n, lo + c);
+    int gt = 0, eq = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+        const uint32_t kv = score_key(sc[i]);
+        gt += kv > thr;
+        eq += kv == thr;
+    }
+    int eq_before;
+    block_exclusive_scan(eq, eq_before, red);
+    const int eq_keep = max(0, min(eq, need_eq - eq_before));
+    int out;
+    block_exclusive_scan(gt + eq_keep, out, red);
+    for (int64_t i = lo, kept_eq = 0; i < hi; ++i) {
+        const uint32_t kv = score_key(sc[i]);
+        if (kv > thr || (kv == thr && kept_eq++ < eq_keep)) sel[out++] = int32_t(i);
+    }
+}
+
 // The top_k highest scores of each token's visible rows (block_top_k: ties to the lower row, ascending).
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
     pdl_begin();
@@ -190,7 +287,7 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const Indexe
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
         return;
     }
-    block_top_k(a.scores + t * a.capacity, visible, int(a.top_k), sel, ScoreKey{});
+    block_top_k(a.scores + t * a.capacity, visible, int(a.top_k), sel);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -311,36 +408,48 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
 
 // One warp per (token, head). Each split's weight exp(m_s - max) is computed once, by its lane, and kept in
 // shared memory for the warp's pass over the output elements.
+// One block per (token, head): warp 0 weighs the splits (max, denominator with the sink), then every thread sums
+// two channels over the splits. A block per head, not a warp, so a decode step's 64 heads keep 64 SMs busy, and
+// the split loop's loads are independent (no branch around them) so they overlap.
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     pdl_begin();
-    constexpr int kMaxSplits = 64, kWarpsPerBlock = 8;
-    __shared__ float weight[kWarpsPerBlock][kMaxSplits];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t th = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
-    if (th >= a.n * a.heads) return;
-    const int64_t h = th % a.heads, d = a.dim;
+    constexpr int kMaxSplits = 64;
+    __shared__ float weight[kMaxSplits];
+    __shared__ float s_inv;
+    const int64_t th = blockIdx.x, h = th % a.heads, d = a.dim;
     const float * part = a.partial + th * splits * (d + 2);
-    const float sink = a.sinks[h];
-    float mf = sink;
-    for (int s = lane; s < splits; s += 32) mf = fmaxf(mf, part[s * (d + 2)]);
-    mf = warp_max(mf);
-    float den = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-        const float ms = part[s * (d + 2)];
-        const float wgt = ms == -INFINITY ? 0.0f : expf(ms - mf);
-        weight[warp][s] = wgt;
-        den += wgt == 0.0f ? 0.0f : part[s * (d + 2) + 1] * wgt;
-    }
-    den = warp_sum(den) + expf(sink - mf);
-    __syncwarp();
-    const float inv = 1.0f / den;
-    for (int64_t e = lane; e < d; e += 32) {
-        float acc = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float wgt = weight[warp][s];
-            if (wgt != 0.0f) acc += part[s * (d + 2) + 2 + e] * wgt;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const float sink = a.sinks[h];
+        float mf = sink;
+        for (int s = lane; s < splits; s += 32) mf = fmaxf(mf, part[s * (d + 2)]);
+        mf = warp_max(mf);
+        float den = 0.0f;
+        for (int s = lane; s < splits; s += 32) {
+            const float ms = part[s * (d + 2)];
+            const float wgt = ms == -INFINITY ? 0.0f : expf(ms - mf);
+            weight[s] = wgt;
+            den += wgt == 0.0f ? 0.0f : part[s * (d + 2) + 1] * wgt;
         }
-        a.out[th * d + e] = acc * inv;
+        den = warp_sum(den) + expf(sink - mf);
+        if (lane == 0) s_inv = 1.0f / den;
+    }
+    __syncthreads();
+    const float inv = s_inv;
+    // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN.
+    for (int64_t e = 2 * int64_t(threadIdx.x); e < d; e += 2 * int64_t(blockDim.x)) {
+        float acc0 = 0.0f, acc1 = 0.0f;
+        const bool pair = e + 1 < d;
+#pragma unroll 4
+        for (int s = 0; s < splits; ++s) {
+            const float wgt = weight[s];
+            const float * p = part + s * (d + 2) + 2 + e;
+            const float v0 = p[0], v1 = pair ? p[1] : 0.0f;
+            acc0 += wgt != 0.0f ? v0 * wgt : 0.0f;
+            acc1 += wgt != 0.0f ? v1 * wgt : 0.0f;
+        }
+        a.out[th * d + e] = acc0 * inv;
+        if (pair) a.out[th * d + e + 1] = acc1 * inv;
     }
 }
 
@@ -584,7 +693,7 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
     else
         launch(attention_kernel<16>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     if (splits > 1)
-        launch(attention_combine_kernel, dim3(blocks_for(a.n * a.heads * 32, 256)), dim3(256), 0, s, a, splits);
+        launch(attention_combine_kernel, dim3(unsigned(a.n * a.heads)), dim3(unsigned(std::clamp<int64_t>((a.dim / 2 + 31) / 32 * 32, 32, 256))), 0, s, a, splits);
 }
 
 }  // namespace dsv4::cuda

@@ -10,6 +10,8 @@
 #include "util/timer.h"
 
 #include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -42,6 +44,8 @@ class DeviceBuffer final : public BackendBuffer {
     size_t size_;
 };
 
+static_assert(cuda::kCandidateBins == kCandidateBins && cuda::kCandidateBinsPerNat == kCandidateBinsPerNat);
+
 // Pinned host staging for uploads: two slots, so the copy of one chunk into a slot overlaps the transfer of the
 // other. Quantized blocks land in a device staging slot and are re-laid from there.
 constexpr size_t kStageBytes = size_t(64) << 20;
@@ -59,6 +63,11 @@ class CudaBackend final : public Backend {
         name_ = fmt::format("cuda ({}, sm_{}{}, {:.0f} GiB)", prop.name, prop.major, prop.minor,
                             double(prop.totalGlobalMem) / double(1ull << 30));
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+        release_host_pages_ = o.release_host_pages || prop.integrated;
+        if (prop.integrated)
+            log_info("cuda: {} is an integrated GPU (memory shared with the CPU): weight pages of the model file are "
+                     "released from the page cache as they are copied, so the weights are held once",
+                     prop.name);
         if (const char * env = std::getenv("DSV4_CUDA_GRAPHS")) graphs_enabled_ = std::strcmp(env, "0") != 0;
         if (const char * env = std::getenv("DSV4_CUDA_PROFILE")) profile_ = std::strcmp(env, "0") != 0;
         if (profile_) graphs_enabled_ = false;  // op timings need eager launches
@@ -130,6 +139,7 @@ class CudaBackend final : public Backend {
             uint8_t * pinned = stage_slot(slot);
             check(cudaEventSynchronize(staged_[slot]), "cudaEventSynchronize(staging)");
             std::memcpy(pinned, static_cast<const uint8_t *>(host.data) + off, n);
+            if (release_host_pages_) release_pages(static_cast<const uint8_t *>(host.data) + off, n);
             if (sp.payload_bytes) {
                 check(cudaMemcpyAsync(dev_stage_[slot], pinned, n, cudaMemcpyHostToDevice, stream_), "upload");
                 cuda::repack_blocks(host.type, dev_stage_[slot], static_cast<uint8_t *>(t.data),
@@ -473,11 +483,14 @@ class CudaBackend final : public Backend {
         launched("router");
     }
 
-    void top_logits(const Tensor & logits, const Tensor & ids, const Tensor & values, const Tensor & stats) override {
-        const OpScope scope(*this, "top_logits");
-        cuda::top_logits(logits.f32(), logits.rows(), logits.ne[0], ids.ne[0], ids.i32(), values.f32(), stats.f32(),
-                         stream_);
-        launched("top_logits");
+    void logit_candidates(const Tensor & logits, const Tensor & ids, const Tensor & values,
+                          const Tensor & stats) override {
+        const OpScope scope(*this, "logit_candidates");
+        DSV4_CHECK(ids.ne[0] <= kCandidateBins, "cuda: logit_candidates keeps at most {} candidates, not {}",
+                   kCandidateBins, ids.ne[0]);
+        cuda::logit_candidates(logits.f32(), logits.rows(), logits.ne[0], ids.ne[0], ids.i32(), values.f32(),
+                               stats.f32(), stream_);
+        launched("logit_candidates");
     }
 
     void moe(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate, const Tensor & up,
@@ -764,6 +777,13 @@ class CudaBackend final : public Backend {
         return scratch_;
     }
 
+    // The whole pages inside [p, p + n): clean file pages, which the kernel drops (they can be read again).
+    static void release_pages(const uint8_t * p, size_t n) {
+        const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+        const uintptr_t first = (uintptr_t(p) + page - 1) / page * page, last = (uintptr_t(p) + n) / page * page;
+        if (last > first) madvise(reinterpret_cast<void *>(first), last - first, MADV_PAGEOUT);
+    }
+
     uint8_t * stage_slot(int slot) {
         if (!pinned_[slot]) {
             check(cudaMallocHost(&pinned_[slot], kStageBytes), "cudaMallocHost(staging)");
@@ -800,6 +820,7 @@ class CudaBackend final : public Backend {
     uint8_t * dev_stage_[2] = {nullptr, nullptr};
     cudaEvent_t staged_[2] = {nullptr, nullptr};
     int stage_next_ = 0;
+    bool release_host_pages_ = false;
     size_t uploaded_ = 0;
     double upload_seconds_ = 0;
     bool capturing_ = false;

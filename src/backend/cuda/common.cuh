@@ -142,40 +142,8 @@ __device__ T block_sum(T v, T * red) {
     return warp_sum(s);
 }
 
-// Calls run(sub) once per weight type among args' targets, sub holding that type's targets in their order.
-template <class Run>
-void for_each_weight_type(const MatvecArgs & args, Run && run) {
-    for (int i = 0; i < args.n_targets; ++i) {
-        bool seen = false;
-        for (int j = 0; j < i; ++j) seen = seen || args.t[j].w.type == args.t[i].w.type;
-        if (seen) continue;
-        MatvecArgs sub = args;
-        sub.n_targets = 0;
-        for (int j = i; j < args.n_targets; ++j)
-            if (args.t[j].w.type == args.t[i].w.type) sub.t[sub.n_targets++] = args.t[j];
-        run(sub);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------------------
-// Selection
-// ---------------------------------------------------------------------------------------------------------------------
-// Order-preserving key of a score: larger score, larger key; -0 and +0 equal; NaN lowest.
-__device__ __forceinline__ uint32_t score_key(float f) {
-    if (f != f) return 0;
-    const uint32_t b = __float_as_uint(f + 0.0f);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-struct ScoreKey {
-    __device__ uint32_t operator()(float f) const { return score_key(f); }
-};
-// Logits: NaN counts as -inf (the sampler's rule: a broken logit is impossible, and ties with -inf go by id).
-struct LogitKey {
-    __device__ uint32_t operator()(float f) const { return score_key(f != f ? -INFINITY : f); }
-};
-
-// Exclusive scan of one flag per thread over the block (blockDim.x = 1024); returns the block total.
+// Exclusive scan of one value per thread over the block (blockDim.x = 1024); returns the block total. `red` holds
+// 33 values.
 __device__ inline int block_exclusive_scan(int v, int & excl, int * red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int incl = v;
@@ -203,77 +171,18 @@ __device__ inline int block_exclusive_scan(int v, int & excl, int * red) {
     return red[32];
 }
 
-// The k highest of n scores (ties to the lower index), their indices written ascending to sel[0, k), k <= n:
-// a 4-pass 8-bit radix select over key(score) finds the k-th key, then one ordered pass keeps the indices above it
-// and the first ones equal to it. Called by every thread of a block of kTopkThreads.
-constexpr int kTopkThreads = 1024;
-
-template <class Key>
-__device__ void block_top_k(const float * sc, int64_t n, int k, int32_t * sel, Key key) {
-    __shared__ int hist[256];
-    __shared__ int red[33];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_remaining;
-    if (threadIdx.x == 0) {
-        s_prefix = 0;
-        s_remaining = k;
-    }
-    uint32_t mask = 0;
-    for (int pass = 0; pass < 4; ++pass) {
-        const int shift = 24 - 8 * pass;
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        const uint32_t prefix = s_prefix;
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-            const uint32_t kv = key(sc[i]);
-            if ((kv & mask) == prefix) atomicAdd(&hist[(kv >> shift) & 255], 1);
-        }
-        __syncthreads();
-        // The digit holding the remaining k-th key: warp 0 scans the histogram from the top digit down, each lane
-        // over 8 digits, then the lane where the running count reaches it walks its own 8.
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x, rem = s_remaining;
-            int local = 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
-            int incl = local;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(kFull, incl, o);
-                if (lane >= o) incl += v;
-            }
-            const int excl = incl - local;
-            if (excl < rem && incl >= rem) {
-                int cum = excl;
-                for (int j = 0; j < 8; ++j) {
-                    const int dgt = 255 - 8 * lane - j;
-                    if (cum + hist[dgt] >= rem) {
-                        s_prefix = prefix | (uint32_t(dgt) << shift);
-                        s_remaining = rem - cum;
-                        break;
-                    }
-                    cum += hist[dgt];
-                }
-            }
-        }
-        mask |= 255u << shift;
-        __syncthreads();
-    }
-    const uint32_t thr = s_prefix;
-    const int need_eq = s_remaining;
-    int taken = 0, eq_seen = 0;
-    for (int64_t base = 0; base < n; base += blockDim.x) {
-        const int64_t i = base + threadIdx.x;
-        const uint32_t kv = i < n ? key(sc[i]) : 0;
-        const int gt = i < n && kv > thr, eq = i < n && kv == thr;
-        int eq_rank;
-        const int eq_total = block_exclusive_scan(eq, eq_rank, red);
-        const int take = gt || (eq && eq_seen + eq_rank < need_eq);
-        int out;
-        const int take_total = block_exclusive_scan(take, out, red);
-        if (take) sel[taken + out] = int32_t(i);
-        taken += take_total;
-        eq_seen += eq_total;
+// Calls run(sub) once per weight type among args' targets, sub holding that type's targets in their order.
+template <class Run>
+void for_each_weight_type(const MatvecArgs & args, Run && run) {
+    for (int i = 0; i < args.n_targets; ++i) {
+        bool seen = false;
+        for (int j = 0; j < i; ++j) seen = seen || args.t[j].w.type == args.t[i].w.type;
+        if (seen) continue;
+        MatvecArgs sub = args;
+        sub.n_targets = 0;
+        for (int j = i; j < args.n_targets; ++j)
+            if (args.t[j].w.type == args.t[i].w.type) sub.t[sub.n_targets++] = args.t[j];
+        run(sub);
     }
 }
 

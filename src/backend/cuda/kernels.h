@@ -186,10 +186,11 @@ void hc_mix(const HcArgs & a, cudaStream_t s);
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
              int64_t hc, int64_t width, cudaStream_t s);
 
-// Per row of logits [rows, n_vocab]: ids [rows, k] of the k largest (ascending), values [rows, k], stats [rows, 2]
-// = (max, log Σ exp(l − max)).
-void top_logits(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
-                float * stats, cudaStream_t s);
+// Backend::logit_candidates: ids and values [rows, k], stats [rows, 4]. The kernels compile as C++17 and cannot
+// include backend.h: its bin constants are repeated here (backend_cuda.cpp checks they agree).
+constexpr int kCandidateBinsPerNat = 32, kCandidateBins = 1024;
+void logit_candidates(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
+                      float * stats, cudaStream_t s);
 void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
             int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s);
 

@@ -358,20 +358,39 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
     return lane < 16 ? c : 0.0f;
 }
 
-__global__ void hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
+// One block per token: the mixing weights from the chunk sums, Sinkhorn, then y = Σ_h pre_h·stream_h and its norm.
+// The streams are loaded before the mixing weights are known (they do not depend on them), and with hc = 4 warp 0
+// runs Sinkhorn while the other warps compute y: a decode step has one token, so this block is the whole GPU's work
+// between two products and every serial step shows.
+constexpr int kHcFinishThreads = 1024, kHcFinishCols = 5;  // columns per thread held in registers (D <= 4960)
+
+__global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
     pdl_begin();
     __shared__ float mix[kMaxMix];
     __shared__ float w[16];
     __shared__ float comb[256];
+    __shared__ double red[32];
+    __shared__ double ss_total;
     const int64_t t = blockIdx.x;
     const int hc = int(a.hc);
     const int64_t rec = mix_record(n_mix);
     const float * part = a.partial + t * chunks * rec;
-    __shared__ double ss_total;
-    // A warp per mixing weight (and one for the sum of squares) adds up the chunks: its lanes' loads are
-    // independent, where one thread walking 64 chunks waits for each load in turn (29 µs of a 300 µs layer).
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-    for (int r = warp; r <= n_mix; r += int(blockDim.x) / 32) {
+    const bool sinkhorn_warp = !a.head && hc == 4;  // warp 0 is busy with Sinkhorn while the others make y
+    const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kHcFinishThreads - y0, yt = int(threadIdx.x) - y0;
+    const float * x = a.streams + t * hc * a.width;
+    const bool in_regs = hc == 4 && a.width <= int64_t(kHcFinishCols) * y_threads;
+    float xs[kHcFinishCols][4];
+    if (in_regs && yt >= 0)
+#pragma unroll
+        for (int j = 0; j < kHcFinishCols; ++j) {
+            const int64_t c = yt + int64_t(j) * y_threads;
+#pragma unroll
+            for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? x[h * a.width + c] : 0.0f;
+        }
+    // A warp per mixing weight (and one for the sum of squares) adds up the chunks: its lanes' loads are
+    // independent, where one thread walking 64 chunks waits for each load in turn.
+    for (int r = warp; r <= n_mix; r += kHcFinishThreads / 32) {
         if (r < n_mix) {
             float s = 0;
             for (int c = lane; c < chunks; c += 32) s += part[c * rec + 2 + r];
@@ -400,34 +419,49 @@ __global__ void hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
         }
     }
     __syncthreads();
-    if (!a.head && hc == 4 && threadIdx.x < 32) {
-        const float c = sinkhorn4(threadIdx.x < 16 ? comb[threadIdx.x] : 0.0f, a.iters, a.eps_hc);
-        if (threadIdx.x < 16) a.comb[t * 16 + threadIdx.x] = c;
+    if (sinkhorn_warp && warp == 0) {
+        const float c = sinkhorn4(lane < 16 ? comb[lane] : 0.0f, a.iters, a.eps_hc);
+        if (lane < 16) a.comb[t * 16 + lane] = c;
     }
-    __syncthreads();
-    const float * x = a.streams + t * hc * a.width;
     float * y = a.y + t * a.width;
-    if (!a.norm) {
-        for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) {
-            float s = 0;
-            for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
-            y[c] = s;
+    // f(c, s) for this thread's columns c with their weighted sums s, from registers (an unrolled loop, so that xs
+    // stays in registers) or memory; the sum order over h is the same either way.
+    auto each_column = [&](auto && f) {
+        if (yt < 0) return;
+        if (in_regs) {
+#pragma unroll
+            for (int j = 0; j < kHcFinishCols; ++j) {
+                const int64_t c = yt + int64_t(j) * y_threads;
+                float s = 0;
+#pragma unroll
+                for (int h = 0; h < 4; ++h) s += w[h] * xs[j][h];
+                if (c < a.width) f(c, s);
+            }
+        } else {
+            for (int64_t c = yt; c < a.width; c += y_threads) {
+                float s = 0;
+                for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
+                f(c, s);
+            }
         }
+    };
+    if (!a.norm) {
+        each_column([&](int64_t c, float s) { y[c] = s; });
         return;
     }
-    // The sublayer's input norm, as rms_norm_kernel computes it (same block size, so the same sum order).
+    // The sublayer's input norm, as rms_norm_kernel computes it (in double, then scaled in f32).
     extern __shared__ float row[];  // [width]
-    __shared__ double red[32];
     double ss = 0;
-    for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) {
-        float s = 0;
-        for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
+    each_column([&](int64_t c, float s) {
         row[c] = s;
         ss += double(s) * double(s);
-    }
-    ss = block_sum(ss, red);
+    });
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = warp_sum(lane < kHcFinishThreads / 32 ? red[lane] : 0.0);
     const float scale = 1.0f / sqrtf(float(ss / double(a.width)) + a.eps_norm);
-    for (int64_t c = threadIdx.x; c < a.width; c += blockDim.x) y[c] = a.norm[c] * (row[c] * scale);
+    for (int64_t c = threadIdx.x; c < a.width; c += kHcFinishThreads) y[c] = a.norm[c] * (row[c] * scale);
 }
 
 __global__ void hc_post_kernel(const float * streams, const float * o, const float * post, const float * comb,
@@ -444,44 +478,122 @@ __global__ void hc_post_kernel(const float * streams, const float * o, const flo
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Sampling candidates: one block per row of logits
+// Sampling candidates: one block of 1024 threads per row of logits
 // ---------------------------------------------------------------------------------------------------------------------
-// The row's k largest logits (ties to the lower id, NaN as -inf) ascending by id with their values, and its max and
-// log Σ exp(l − max), so that the host samples from k numbers instead of reading the vocabulary.
-__global__ void __launch_bounds__(kTopkThreads) top_logits_kernel(const float * logits, int64_t n_vocab, int k,
-                                                                  int32_t * ids, float * values, float * stats) {
-    pdl_begin();
-    __shared__ float red_f[32];
-    __shared__ double red_d[32];
-    const float * row = logits + int64_t(blockIdx.x) * n_vocab;
-    float m = -INFINITY;
-    for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-        const float x = row[i];
-        if (x == x) m = fmaxf(m, x);
+constexpr int kCandThreads = 1024;
+static_assert(kCandidateBins == kCandThreads, "one histogram bin per thread");
+
+__device__ __forceinline__ float clean_logit(float x) { return x == x ? x : -INFINITY; }
+
+// Calls f(i, logit) for every logit of the row, NaN as -inf, thread t taking elements t, t + 1024, ...; rows of a
+// multiple of 4 (the real vocabulary) load four at a time so that a thread has several loads in flight.
+template <class F>
+__device__ __forceinline__ void for_each_logit(const float * row, int64_t n, F f) {
+    if (n % 4 == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+        const float4 * row4 = reinterpret_cast<const float4 *>(row);
+#pragma unroll 2
+        for (int64_t j = threadIdx.x; j < n / 4; j += kCandThreads) {
+            const float4 v = row4[j];
+            f(4 * j, clean_logit(v.x));
+            f(4 * j + 1, clean_logit(v.y));
+            f(4 * j + 2, clean_logit(v.z));
+            f(4 * j + 3, clean_logit(v.w));
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < n; i += kCandThreads) f(i, clean_logit(row[i]));
     }
-    m = warp_max(m);
+}
+
+// Backend::logit_candidates. Three passes over the row: the maximum and its lowest id; Σ exp and the bin
+// histogram; the members, appended to shared memory in any order and then sorted by id (at most k of them).
+__global__ void __launch_bounds__(kCandThreads) logit_candidates_kernel(const float * logits, int64_t n_vocab, int k,
+                                                                        int32_t * ids, float * values, float * stats) {
+    pdl_begin();
+    __shared__ int hist[kCandidateBins];
+    __shared__ unsigned long long members[kCandThreads];  // (id << 32) | logit bits, sorted by id
+    __shared__ float red_m[32];
+    __shared__ int red_a[32];
+    __shared__ double red_d[32];
+    __shared__ int red_i[33];
+    __shared__ int s_kept_bins, s_count;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float * row = logits + int64_t(blockIdx.x) * n_vocab;
+
+    float m = -INFINITY;
+    int arg = INT_MAX;
+    for_each_logit(row, n_vocab, [&](int64_t i, float x) {
+        if (x > m || (x == m && int(i) < arg)) m = x, arg = int(i);
+    });
+    for (int o = 16; o > 0; o >>= 1) {
+        const float om = __shfl_xor_sync(kFull, m, o);
+        const int oa = __shfl_xor_sync(kFull, arg, o);
+        if (om > m || (om == m && oa < arg)) m = om, arg = oa;
+    }
+    if (lane == 0) red_m[warp] = m, red_a[warp] = arg;
+    hist[threadIdx.x] = 0;
+    if (threadIdx.x == 0) s_count = 0;
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) red_f[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = warp_max((threadIdx.x & 31) < (blockDim.x >> 5) ? red_f[threadIdx.x & 31] : -INFINITY);
-    // Each term in f32 (exp of a value <= 0), the sum in double: the CPU sums double exps; both agree to ~1e-7.
+    m = red_m[lane];
+    arg = red_a[lane];
+    for (int o = 16; o > 0; o >>= 1) {
+        const float om = __shfl_xor_sync(kFull, m, o);
+        const int oa = __shfl_xor_sync(kFull, arg, o);
+        if (om > m || (om == m && oa < arg)) m = om, arg = oa;
+    }
+
+    // The bin of a logit: the same f32 expression as the CPU's, so both pick the same members.
+    auto bin_of = [m](float x) {
+        const float d = (m - x) * float(kCandidateBinsPerNat);
+        return d < float(kCandidateBins) ? int(d) : kCandidateBins;
+    };
     double sum = 0;
     if (m > -INFINITY)
-        for (int64_t i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-            const float x = row[i];
-            if (x == x) sum += double(expf(x - m));
-        }
-    sum = block_sum(sum, red_d);
-    int32_t * sel = ids + int64_t(blockIdx.x) * k;
-    block_top_k(row, n_vocab, k, sel, LogitKey{});
+        for_each_logit(row, n_vocab, [&](int64_t, float x) {
+            if (x == -INFINITY) return;
+            sum += double(expf(x - m));
+            const int b = bin_of(x);
+            if (b < kCandidateBins) atomicAdd(&hist[b], 1);
+        });
+    sum = block_sum(sum, red_d);  // its barriers also publish the histogram
+
+    // Bins kept: the longest run from bin 0 whose members fit in k (thread t holds bin t).
+    int excl;
+    block_exclusive_scan(hist[threadIdx.x], excl, red_i);
+    const int kept = __syncthreads_count(excl + hist[threadIdx.x] <= k);
+    if (threadIdx.x == 0) s_kept_bins = m > -INFINITY ? kept : 0;
     __syncthreads();
-    for (int j = threadIdx.x; j < k; j += blockDim.x) {
-        const float x = row[sel[j]];
-        values[int64_t(blockIdx.x) * k + j] = x == x ? x : -INFINITY;
+    const int kept_bins = s_kept_bins;
+
+    for_each_logit(row, n_vocab, [&](int64_t i, float x) {
+        if (bin_of(x) < kept_bins)
+            members[atomicAdd(&s_count, 1)] = (uint64_t(i) << 32) | __float_as_uint(x);
+    });
+    __syncthreads();
+    const int n_cand = s_count;
+    members[threadIdx.x] = threadIdx.x < n_cand ? members[threadIdx.x] : ~0ull;
+    __syncthreads();
+    // Bitonic sort of the 1024 slots (empty ones last).
+    for (int size = 2; size <= kCandThreads; size <<= 1)
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+            const int i = threadIdx.x, j = i ^ stride;
+            if (j > i) {
+                const unsigned long long a = members[i], b = members[j];
+                if (((i & size) == 0) == (a > b)) members[i] = b, members[j] = a;
+            }
+            __syncthreads();
+        }
+    int32_t * out_ids = ids + int64_t(blockIdx.x) * k;
+    float * out_values = values + int64_t(blockIdx.x) * k;
+    for (int j = threadIdx.x; j < k; j += kCandThreads) {
+        out_ids[j] = j < n_cand ? int32_t(members[j] >> 32) : -1;
+        out_values[j] = j < n_cand ? __uint_as_float(uint32_t(members[j])) : -INFINITY;
     }
     if (threadIdx.x == 0) {
-        stats[2 * blockIdx.x] = m;
-        stats[2 * blockIdx.x + 1] = float(log(sum));
+        float * st = stats + 4 * int64_t(blockIdx.x);
+        st[0] = m;
+        st[1] = float(log(sum));
+        st[2] = float(n_cand);
+        st[3] = float(arg == INT_MAX ? 0 : arg);
     }
 }
 
@@ -643,8 +755,8 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
             go(hc_partial_rows_kernel<FnKind::any>, hc_partial_tiles_kernel<FnKind::any>);
             break;
     }
-    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(256), a.norm ? size_t(a.width) * sizeof(float) : 0, s, a, n_mix,
-           chunks);
+    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kHcFinishThreads), a.norm ? size_t(a.width) * sizeof(float) : 0,
+           s, a, n_mix, chunks);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
@@ -663,11 +775,11 @@ void router(const float * logits, const float * bias, const int32_t * tid2eid, c
            tokens, n, int(n_expert), int(k), route_scale, experts, weights);
 }
 
-void top_logits(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
-                float * stats, cudaStream_t s) {
+void logit_candidates(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
+                      float * stats, cudaStream_t s) {
     if (rows > 0)
-        launch(top_logits_kernel, dim3(unsigned(rows)), dim3(kTopkThreads), 0, s, logits, n_vocab, int(k), ids, values,
-               stats);
+        launch(logit_candidates_kernel, dim3(unsigned(rows)), dim3(kCandThreads), 0, s, logits, n_vocab, int(k), ids,
+               values, stats);
 }
 
 }  // namespace dsv4::cuda
