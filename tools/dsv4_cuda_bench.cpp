@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <set>
 #include <sstream>
 
 using namespace dsv4;
@@ -183,22 +184,25 @@ int run_kernels(const CudaBackendOptions & options) {
         std::printf("logit_candidates of %ld        %9.1f us (all logits equal: %.1f us)\n", V, us, flat);
     }
     {
-        const int64_t E = 32, D = 4096, I = 2048, k = 6;
+        // The real expert count: a chunk of n tokens spreads its 6n pairs over up to 256 experts.
+        const int64_t E = 256, D = 4096, I = 2048, k = 6;
         const Tensor gate = B.weight(GgmlType::IQ2_XXS, D, I, E), up = B.weight(GgmlType::IQ2_XXS, D, I, E);
         const Tensor down = B.weight(GgmlType::Q2_K, I, D, E);
-        for (int64_t n : {1, 64}) {
+        for (int64_t n : {1, 4, 16, 64, 256, 2048}) {
             const Tensor x = B.act(D, n), out = B.act(D, n), w = B.act(k, n);
-            Tensor ex = make_tensor(GgmlType::I32, nullptr, k, n);
-            B.keep.push_back(B.b.alloc(size_t(k * n) * 4));
-            ex.data = B.keep.back()->data();
+            const Tensor ex = B.act(k, n, 1, 1, GgmlType::I32);
             std::vector<int32_t> ids(size_t(k * n));
-            for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i % size_t(k)) * 5 + i / size_t(k)) % int32_t(E);
+            std::mt19937 pick{unsigned(n)};
+            for (int64_t t = 0; t < n; ++t)  // k distinct experts per token
+                for (int64_t j = 0; j < k; ++j) ids[size_t(t * k + j)] = int32_t((pick() % (E / k)) * k + j);
             B.b.write(ex, ids.data(), ids.size() * 4);
-            const double us = B.time([&] { B.b.moe(x, ex, w, gate, up, down, 10.0f, out); }, n > 8 ? 5 : 50);
-            const double bytes = double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) *
-                                 double(std::min<int64_t>(E, k * n));
-            std::printf("moe iq2_xxs/q2_K 6 of %ld experts n=%-3ld %9.1f us  %7.1f GB/s of selected expert weights\n",
-                        E, n, us, bytes / us / 1e3);
+            const double us = B.time([&] { B.b.moe(x, ex, w, gate, up, down, 10.0f, out); }, n > 64 ? 3 : 20);
+            std::set<int32_t> used(ids.begin(), ids.end());
+            const double bytes = double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) * double(used.size());
+            std::printf("moe iq2_xxs/q2_K 6 of %ld experts n=%-4ld %9.1f us  %7.1f GB/s of %zu selected experts (%s)\n",
+                        E, n, us, bytes / us / 1e3, used.size(),
+                        cuda_tensor_core_moe(GgmlType::IQ2_XXS, GgmlType::Q2_K, D, I, n * k, E) ? "tensor cores"
+                                                                                                 : "integer");
         }
     }
     return 0;

@@ -188,6 +188,9 @@ bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mo
         float * chunk_hidden = hidden && mode == LogitsMode::all ? hidden + done * config_.hc * config_.n_embd : hidden;
         eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits, chunk_mode == LogitsMode::none ? nullptr : chunk_hidden);
         done += n;
+        // Each chunk ends with its work finished (a device backend's ops are asynchronous): a device error surfaces
+        // here, inside the evaluation that caused it, and callers may time an eval without a read after it.
+        backend_.synchronize();
         if (progress && !progress(done) && !last_chunk) return false;
     }
     return true;
