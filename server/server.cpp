@@ -232,8 +232,8 @@ class HttpServer {
     ServerOptions opt_;
     httplib::Server svr_;
     std::atomic<State> state_{State::loading};
-    std::atomic<double> progress_{0};         // of the weights' bytes
-    std::atomic<double> load_gb_per_s_{0};    // weight loading rate so far
+    std::atomic<double> progress_{0};       // of the weights' bytes
+    std::atomic<double> load_gb_per_s_{0};  // weight loading rate so far
     std::atomic<uint64_t> loaded_bytes_{0};
     std::unique_ptr<Engine> engine_;
     std::unique_ptr<Scheduler> scheduler_;
@@ -264,16 +264,18 @@ void HttpServer::load() {
         const MemoryPlan plan = Engine::plan(opt_.engine, opt_.n_ctx, opt_.sessions);
         int64_t n_ctx = opt_.n_ctx;
         if (n_ctx == 0) {
-            DSV4_CHECK(plan.max_ctx > 0, "--ctx auto: no context fits ({:.1f} GiB of weights, {:.1f} GiB available in {})",
+            DSV4_CHECK(plan.max_ctx > 0,
+                       "--ctx auto: no context fits ({:.1f} GiB of weights, {:.1f} GiB available in {})",
                        double(plan.weights) / (1 << 30), double(plan.available) / (1 << 30), plan.device);
             n_ctx = plan.max_ctx;
         } else {
             plan.require_fit();
         }
-        log_info("memory plan: context {}, {} session(s) of {:.2f} GiB, {:.1f} GiB of weights, {:.1f} GiB in all of "
-                 "{:.1f} GiB available in {} (largest context that fits: {})",
-                 n_ctx, opt_.sessions, double(plan.kv_per_session()) / (1 << 30), double(plan.weights) / (1 << 30),
-                 double(plan.total()) / (1 << 30), double(plan.available) / (1 << 30), plan.device, plan.max_ctx);
+        log_info(
+            "memory plan: context {}, {} session(s) of {:.2f} GiB, {:.1f} GiB of weights, {:.1f} GiB in all of "
+            "{:.1f} GiB available in {} (largest context that fits: {})",
+            n_ctx, opt_.sessions, double(plan.kv_per_session()) / (1 << 30), double(plan.weights) / (1 << 30),
+            double(plan.total()) / (1 << 30), double(plan.available) / (1 << 30), plan.device, plan.max_ctx);
         engine_ = Engine::open(opt_.engine, [&](const LoadProgress & p) {
             progress_.store(p.fraction());
             load_gb_per_s_.store(p.gb_per_s());

@@ -198,11 +198,12 @@ int run_kernels(const CudaBackendOptions & options) {
             B.b.write(ex, ids.data(), ids.size() * 4);
             const double us = B.time([&] { B.b.moe(x, ex, w, gate, up, down, 10.0f, out); }, n > 64 ? 3 : 20);
             std::set<int32_t> used(ids.begin(), ids.end());
-            const double bytes = double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) * double(used.size());
-            std::printf("moe iq2_xxs/q2_K 6 of %ld experts n=%-4ld %9.1f us  %7.1f GB/s of %zu selected experts (%s)\n",
-                        E, n, us, bytes / us / 1e3, used.size(),
-                        cuda_tensor_core_moe(GgmlType::IQ2_XXS, GgmlType::Q2_K, D, I, n * k, E) ? "tensor cores"
-                                                                                                 : "integer");
+            const double bytes =
+                double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) * double(used.size());
+            std::printf(
+                "moe iq2_xxs/q2_K 6 of %ld experts n=%-4ld %9.1f us  %7.1f GB/s of %zu selected experts (%s)\n", E, n,
+                us, bytes / us / 1e3, used.size(),
+                cuda_tensor_core_moe(GgmlType::IQ2_XXS, GgmlType::Q2_K, D, I, n * k, E) ? "tensor cores" : "integer");
         }
     }
     return 0;

@@ -30,8 +30,8 @@ class SessionImpl;
 
 // auto: the GPU when there is one.
 bool wants_gpu(const EngineOptions & o) {
-    DSV4_CHECK(o.backend == "cpu" || o.backend == "cuda" || o.backend == "auto", "unknown backend '{}' (cpu, cuda or auto)",
-               o.backend);
+    DSV4_CHECK(o.backend == "cpu" || o.backend == "cuda" || o.backend == "auto",
+               "unknown backend '{}' (cpu, cuda or auto)", o.backend);
 #if DSV4_HAVE_CUDA
     return o.backend == "cuda" || (o.backend == "auto" && cuda_device_count() > 0);
 #else
@@ -245,8 +245,8 @@ class SessionImpl final : public Session {
         std::string state = state_->snapshot();
         std::string out;
         // The last token's logits only: a restored session samples from them.
-        const std::span<const float> row = has_logits() ? logits().last(size_t(engine_.model().config().n_vocab))
-                                                        : std::span<const float>();
+        const std::span<const float> row =
+            has_logits() ? logits().last(size_t(engine_.model().config().n_vocab)) : std::span<const float>();
         const uint64_t n_tokens = tokens_.size(), n_logits = row.size();
         out.append(reinterpret_cast<const char *>(&n_tokens), 8);
         out.append(reinterpret_cast<const char *>(tokens_.data()), tokens_.size() * sizeof(int32_t));
@@ -370,29 +370,30 @@ std::string MemoryPlan::describe() const {
     const double G = double(1ull << 30);
     std::string s;
     s += fmt::format("weights     {:9.3f} GiB\n", double(weights) / G);
-    s += fmt::format("kv state    {:9.3f} GiB  ({} session(s) of {} tokens: raw {:.3f}, compressed {:.3f}, indexer "
-                     "{:.3f}, frontiers {:.3f})\n",
-                     double(n_sessions) * double(kv_per_session()) / G, n_sessions, n_ctx, double(kv_raw) / G,
-                     double(kv_compressed) / G, double(kv_indexer) / G, double(kv_frontier) / G);
+    s += fmt::format(
+        "kv state    {:9.3f} GiB  ({} session(s) of {} tokens: raw {:.3f}, compressed {:.3f}, indexer "
+        "{:.3f}, frontiers {:.3f})\n",
+        double(n_sessions) * double(kv_per_session()) / G, n_sessions, n_ctx, double(kv_raw) / G,
+        double(kv_compressed) / G, double(kv_indexer) / G, double(kv_frontier) / G);
     s += fmt::format("workspace   {:9.3f} GiB  (chunks of {} tokens)\n", double(workspace) / G, n_ubatch);
     s += fmt::format("scratch     {:9.3f} GiB\n", double(scratch) / G);
-    s += fmt::format("total       {:9.3f} GiB + {:.1f} GiB reserve, of {:.3f} GiB available in {}\n", double(total()) / G,
-                     double(reserve) / G, double(available) / G, device);
+    s += fmt::format("total       {:9.3f} GiB + {:.1f} GiB reserve, of {:.3f} GiB available in {}\n",
+                     double(total()) / G, double(reserve) / G, double(available) / G, device);
     s += fmt::format("fits        {}; largest context that fits: {}", fits() ? "yes" : "NO", max_ctx);
     return s;
 }
 
 void MemoryPlan::require_fit() const {
     const double G = double(1ull << 30);
-    DSV4_CHECK(fits(),
-               "a context of {} tokens ({} session(s)) needs {:.2f} GiB ({:.2f} of weights, {:.2f} of KV state, {:.2f} of "
-               "workspace and scratch) plus a {:.1f} GiB reserve, but {} has {:.2f} GiB available; {}",
-               n_ctx, n_sessions, double(total()) / G, double(weights) / G,
-               double(n_sessions) * double(kv_per_session()) / G, double(workspace + scratch) / G, double(reserve) / G,
-               device, double(available) / G,
-               max_ctx > 0 ? fmt::format("the largest context that fits is {} (--ctx {})", max_ctx, max_ctx)
-                           : std::string("no context fits: the weights alone do not (try a smaller quantization, "
-                                         "a smaller --ubatch or fewer sessions)"));
+    DSV4_CHECK(
+        fits(),
+        "a context of {} tokens ({} session(s)) needs {:.2f} GiB ({:.2f} of weights, {:.2f} of KV state, {:.2f} of "
+        "workspace and scratch) plus a {:.1f} GiB reserve, but {} has {:.2f} GiB available; {}",
+        n_ctx, n_sessions, double(total()) / G, double(weights) / G, double(n_sessions) * double(kv_per_session()) / G,
+        double(workspace + scratch) / G, double(reserve) / G, device, double(available) / G,
+        max_ctx > 0 ? fmt::format("the largest context that fits is {} (--ctx {})", max_ctx, max_ctx)
+                    : std::string("no context fits: the weights alone do not (try a smaller quantization, "
+                                  "a smaller --ubatch or fewer sessions)"));
 }
 
 std::unique_ptr<Engine> Engine::open(const EngineOptions & options,

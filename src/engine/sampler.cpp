@@ -68,10 +68,10 @@ SampledToken Sampler::sample(std::span<const float> logits) {
 }
 
 std::optional<SampledToken> Sampler::sample(const LogitCandidates & c) {
-    DSV4_CHECK(c.ids.size() == c.logits.size() && int64_t(c.ids.size()) <= c.n_vocab && c.argmax >= 0 &&
-                   c.argmax < c.n_vocab,
-               "sampler: {} candidate ids, {} logits, argmax {}, vocabulary {}", c.ids.size(), c.logits.size(),
-               c.argmax, c.n_vocab);
+    DSV4_CHECK(
+        c.ids.size() == c.logits.size() && int64_t(c.ids.size()) <= c.n_vocab && c.argmax >= 0 && c.argmax < c.n_vocab,
+        "sampler: {} candidate ids, {} logits, argmax {}, vocabulary {}", c.ids.size(), c.logits.size(), c.argmax,
+        c.n_vocab);
     DSV4_CHECK(std::isfinite(c.max), "sampler: no finite logit among {}", c.n_vocab);
     const CandidateRow row{c};
     if (int64_t(row.size()) < c.n_vocab) {

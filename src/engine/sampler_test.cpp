@@ -304,8 +304,8 @@ TEST(Sampler, CandidatesDrawWhatTheWholeRowDraws) {
         int32_t top_k, n_logprobs;
         bool greedy;
     };
-    const Case cases[] = {{1, 1, 0.05f, 0, 0, false},  {0.6f, 0.9f, 0.05f, 0, 5, false}, {1, 1, 0.05f, 8, 3, false},
-                          {1, 1, 0, 0, 0, false},      {0, 1, 0.05f, 0, 20, false},     {1, 1, 0.05f, 0, 2, true},
+    const Case cases[] = {{1, 1, 0.05f, 0, 0, false},      {0.6f, 0.9f, 0.05f, 0, 5, false}, {1, 1, 0.05f, 8, 3, false},
+                          {1, 1, 0, 0, 0, false},          {0, 1, 0.05f, 0, 20, false},      {1, 1, 0.05f, 0, 2, true},
                           {1.5f, 0.5f, 0.2f, 40, 1, false}};
     for (const Case & cs : cases) {
         SamplingParams p;
@@ -339,9 +339,12 @@ TEST(Sampler, CandidatesDrawWhatTheWholeRowDraws) {
                 EXPECT_NEAR(a.top[i].logprob, b->top[i].logprob, 1e-5);
             }
         }
-        if (cs.greedy || cs.temperature == 0) EXPECT_GE(decided, 100);  // flat rows with 20 logprobs may need it
-        else if (cs.min_p > 0) EXPECT_GE(decided, 100);                  // the peaked two thirds at least
-        else EXPECT_EQ(decided, 0);  // min_p 0: any token could be drawn, so the row is always needed
+        if (cs.greedy || cs.temperature == 0)
+            EXPECT_GE(decided, 100);  // flat rows with 20 logprobs may need it
+        else if (cs.min_p > 0)
+            EXPECT_GE(decided, 100);  // the peaked two thirds at least
+        else
+            EXPECT_EQ(decided, 0);  // min_p 0: any token could be drawn, so the row is always needed
     }
 }
 

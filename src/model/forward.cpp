@@ -129,8 +129,8 @@ Tensor first(const Tensor & t, int64_t n) {
 
 }  // namespace
 
-Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics,
-             const GgufFile * mtp_file, const LoadProgressFn & progress)
+Model::Model(const GgufFile & file, Backend & backend, int64_t n_ubatch, Numerics numerics, const GgufFile * mtp_file,
+             const LoadProgressFn & progress)
     : config_(load_config(file)), backend_(backend), n_ubatch_(n_ubatch), numerics_(numerics) {
     DSV4_CHECK(n_ubatch >= 1, "batch size must be at least 1 (got {})", n_ubatch);
     weights_ = load_weights(file, config_, backend, mtp_file, progress);

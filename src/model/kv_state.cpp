@@ -45,7 +45,9 @@ class ByteReader {
 };
 
 // Rows of a compressed layer's store; one at least, so a context shorter than a block still has a tensor.
-int64_t compressed_rows(const LayerConfig & lc, int64_t n_ctx) { return std::max<int64_t>(n_ctx / lc.compress_ratio, 1); }
+int64_t compressed_rows(const LayerConfig & lc, int64_t n_ctx) {
+    return std::max<int64_t>(n_ctx / lc.compress_ratio, 1);
+}
 
 }  // namespace
 

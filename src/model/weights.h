@@ -12,8 +12,8 @@
 #include "format/gguf.h"
 #include "model/config.h"
 
-#include <memory>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 

@@ -830,17 +830,18 @@ TEST(Ops, LogitCandidates) {
         gpu().logit_candidates(logits.g, ids.g, values.g, stats.g);
         cpu().logit_candidates(logits.c, ids.c, values.c, stats.c);
         const std::vector<int32_t> gi = read_gpu_ids(ids.g);
-        for (size_t i = 0; i < gi.size(); ++i) ASSERT_EQ(gi[i], ids.c.i32()[i]) << "V " << V << " k " << k << " at " << i;
+        for (size_t i = 0; i < gi.size(); ++i)
+            ASSERT_EQ(gi[i], ids.c.i32()[i]) << "V " << V << " k " << k << " at " << i;
         std::vector<float> gv(size_t(k * rows)), gs(size_t(4 * rows));
         gpu().read(values.g, gv.data(), gv.size() * 4);
         gpu().read(stats.g, gs.data(), gs.size() * 4);
         for (size_t i = 0; i < gv.size(); ++i) ASSERT_EQ(gv[i], values.c.f32()[i]) << i;
         for (int64_t r = 0; r < rows; ++r) {
             const float * cs = stats.c.f32() + 4 * r;
-            EXPECT_EQ(gs[size_t(4 * r)], cs[0]);                                       // max
+            EXPECT_EQ(gs[size_t(4 * r)], cs[0]);                                      // max
             EXPECT_NEAR(gs[size_t(4 * r + 1)], cs[1], 1e-5 * std::max(1.0f, cs[1]));  // log-sum
-            EXPECT_EQ(gs[size_t(4 * r + 2)], cs[2]);                                   // count
-            EXPECT_EQ(gs[size_t(4 * r + 3)], cs[3]);                                   // argmax
+            EXPECT_EQ(gs[size_t(4 * r + 2)], cs[2]);                                  // count
+            EXPECT_EQ(gs[size_t(4 * r + 3)], cs[3]);                                  // argmax
             // Every logit left out is below every candidate.
             const int64_t n = int64_t(cs[2]);
             float lowest = INFINITY;

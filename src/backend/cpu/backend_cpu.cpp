@@ -486,7 +486,8 @@ class CpuBackend final : public Backend {
                 if (d < float(kCandidateBins)) ++hist[size_t(bins[size_t(i)] = int64_t(d))];
             }
             int64_t kept_bins = 0, count = 0;
-            while (kept_bins < kCandidateBins && count + hist[size_t(kept_bins)] <= k) count += hist[size_t(kept_bins++)];
+            while (kept_bins < kCandidateBins && count + hist[size_t(kept_bins)] <= k)
+                count += hist[size_t(kept_bins++)];
             int64_t j = 0;
             for (int64_t i = 0; i < n_vocab; ++i)
                 if (bins[size_t(i)] < kept_bins) {

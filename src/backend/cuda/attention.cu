@@ -246,7 +246,6 @@ __device__ __forceinline__ uint32_t score_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-
 // The k highest of n scores (ties to the lower index), their indices written ascending to sel[0, k), k <= n:
 // a 4-pass 8-bit radix select over score_key finds the k-th key, then one ordered pass keeps the indices above it
 // and the first ones equal to it. Called by every thread of a block of kTopkThreads.
@@ -751,7 +750,8 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
     else
         launch(attention_kernel<16>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
     if (splits > 1)
-        launch(attention_combine_kernel, dim3(unsigned(a.n * a.heads)), dim3(unsigned(std::clamp<int64_t>((a.dim / 2 + 31) / 32 * 32, 32, 256))), 0, s, a, splits);
+        launch(attention_combine_kernel, dim3(unsigned(a.n * a.heads)),
+               dim3(unsigned(std::clamp<int64_t>((a.dim / 2 + 31) / 32 * 32, 32, 256))), 0, s, a, splits);
 }
 
 }  // namespace dsv4::cuda

@@ -65,9 +65,10 @@ class CudaBackend final : public Backend {
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
         release_host_pages_ = o.release_host_pages || prop.integrated;
         if (prop.integrated)
-            log_info("cuda: {} is an integrated GPU (memory shared with the CPU): weight pages of the model file are "
-                     "released from the page cache as they are copied, so the weights are held once",
-                     prop.name);
+            log_info(
+                "cuda: {} is an integrated GPU (memory shared with the CPU): weight pages of the model file are "
+                "released from the page cache as they are copied, so the weights are held once",
+                prop.name);
         if (const char * env = std::getenv("DSV4_CUDA_GRAPHS")) graphs_enabled_ = std::strcmp(env, "0") != 0;
         if (const char * env = std::getenv("DSV4_CUDA_PROFILE")) profile_ = std::strcmp(env, "0") != 0;
         if (profile_) graphs_enabled_ = false;  // op timings need eager launches

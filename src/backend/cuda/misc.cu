@@ -565,8 +565,7 @@ __global__ void __launch_bounds__(kCandThreads) logit_candidates_kernel(const fl
     const int kept_bins = s_kept_bins;
 
     for_each_logit(row, n_vocab, [&](int64_t i, float x) {
-        if (bin_of(x) < kept_bins)
-            members[atomicAdd(&s_count, 1)] = (uint64_t(i) << 32) | __float_as_uint(x);
+        if (bin_of(x) < kept_bins) members[atomicAdd(&s_count, 1)] = (uint64_t(i) << 32) | __float_as_uint(x);
     });
     __syncthreads();
     const int n_cand = s_count;
