@@ -94,15 +94,7 @@ __global__ void compressor_rows_kernel(const CompressorArgs a) {
     const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = a.norm[i] * (row[i] * scale);
     __syncthreads();
-    const int half = a.n_rot / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const float ang = float(b * R) * a.inv_freq[i];
-        const float cs = cosf(ang), sn = sinf(ang);
-        float * v = row + (width - a.n_rot) + 2 * i;
-        const float x0 = v[0], x1 = v[1];
-        v[0] = x0 * cs - x1 * sn;
-        v[1] = x0 * sn + x1 * cs;
-    }
+    rope_row_shared(row, width, a.n_rot, a.inv_freq, float(b * R));
     __syncthreads();
     if (a.rounding == 1) fp8_row_shared(row, a.fp8_dims);
     if (a.rounding == 2) hadamard_fp4_shared(row, width);

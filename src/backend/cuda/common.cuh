@@ -308,6 +308,26 @@ __device__ __forceinline__ float weight_element(const WeightRef & w, int64_t row
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
+// RoPE
+// ---------------------------------------------------------------------------------------------------------------------
+// Turns the pair (v[0], v[1]) by pos·inv_freq (backwards when inverse). One expression for every kernel that
+// rotates (rope, norm_rope, the compressors' finish), so their rotations agree bit for bit.
+__device__ __forceinline__ void rope_pair(float * v, float pos, float inv_freq, bool inverse = false) {
+    const float ang = pos * inv_freq;
+    const float c = cosf(ang), s = inverse ? -sinf(ang) : sinf(ang);
+    const float x0 = v[0], x1 = v[1];
+    v[0] = x0 * c - x1 * s;
+    v[1] = x0 * s + x1 * c;
+}
+
+// The trailing n_rot channels of a row in shared memory, by the block's threads; the caller synchronizes after.
+__device__ __forceinline__ void rope_row_shared(float * row, int64_t width, int n_rot, const float * inv_freq,
+                                                float pos) {
+    for (int i = threadIdx.x; i < n_rot / 2; i += blockDim.x)
+        rope_pair(row + (width - n_rot) + 2 * i, pos, inv_freq[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // FP8 / FP4 round trips (quant.cpp's f32_to_e4m3, e4m3_to_f32, f32_to_e2m1, roundtrip, hadamard_inplace)
 // ---------------------------------------------------------------------------------------------------------------------
 __device__ inline float e4m3_decode(uint32_t bits) {

@@ -94,12 +94,7 @@ __global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, 
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * heads * half) return;
     const int64_t pair = i % half, th = i / half, t = th / heads;
-    const float ang = float(positions[t]) * inv_freq[pair];
-    const float c = cosf(ang), s = inverse ? -sinf(ang) : sinf(ang);
-    float * v = x + th * width + (width - n_rot) + 2 * pair;
-    const float a = v[0], b = v[1];
-    v[0] = a * c - b * s;
-    v[1] = a * s + b * c;
+    rope_pair(x + th * width + (width - n_rot) + 2 * pair, float(positions[t]), inv_freq[pair], inverse);
 }
 
 // One block per (token, head) row: RMSNorm, RoPE, FP8 rounding and the ring copy with the expressions of
@@ -123,14 +118,7 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     }
     __syncthreads();
     const int32_t pos = a.positions[t];
-    for (int i = threadIdx.x; i < a.n_rot / 2; i += blockDim.x) {
-        const float ang = float(pos) * a.inv_freq[i];
-        const float c = cosf(ang), s = sinf(ang);
-        float * v = row + (width - a.n_rot) + 2 * i;
-        const float x0 = v[0], x1 = v[1];
-        v[0] = x0 * c - x1 * s;
-        v[1] = x0 * s + x1 * c;
-    }
+    rope_row_shared(row, width, a.n_rot, a.inv_freq, float(pos));
     __syncthreads();
     if (a.fp8_dims > 0) fp8_row_shared(row, a.fp8_dims);
     float * ring = a.ring ? a.ring + ((int64_t(pos) % a.ring_rows) * a.heads + h) * width : nullptr;
