@@ -188,7 +188,10 @@ class SessionImpl final : public Session {
             }
             c.max = stats[0];
             c.log_sum = stats[1];
-            c.ids.resize(size_t(stats[2]));  // counts and ids below 2^24 are exact in f32
+            // Counts and ids below 2^24 are exact in f32.
+            DSV4_CHECK(stats[2] >= 0 && stats[2] <= float(c.ids.size()) && stats[3] >= 0 && stats[3] < float(n_vocab),
+                       "sample: the backend returned {} candidates and argmax {}", stats[2], stats[3]);
+            c.ids.resize(size_t(stats[2]));
             c.logits.resize(c.ids.size());
             c.argmax = int32_t(stats[3]);
             if (auto token = sampler.sample(c)) return *token;
