@@ -73,16 +73,9 @@ class CudaBackend final : public Backend {
         if (const char * env = std::getenv("DSV4_CUDA_PROFILE")) profile_ = std::strcmp(env, "0") != 0;
         if (profile_) graphs_enabled_ = false;  // op timings need eager launches
 
-        // IQ2_XXS tables, with the sign bytes expanded to byte masks for the integer kernels.
         cuda::Iq2Tables t{};
         for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
-        for (int s = 0; s < 128; ++s) {
-            t.signs[s] = quant_detail::kIq2.signs[s];
-            uint64_t m = 0;
-            for (int e = 0; e < 8; ++e)
-                if ((t.signs[s] >> e) & 1) m |= uint64_t(0xff) << (8 * e);
-            t.sign_mask[s] = m;
-        }
+        for (int s = 0; s < 128; ++s) t.signs[s] = quant_detail::kIq2.signs[s];
         check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
         check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
     }

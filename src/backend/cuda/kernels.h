@@ -29,9 +29,8 @@ BlockSplit block_split(GgmlType type);
 
 // IQ2_XXS's grid and signs (format/quant_tables.cpp) in device memory, copied once per backend.
 struct Iq2Tables {
-    uint64_t grid[256];       // byte e of entry k: magnitude of element e
-    uint64_t sign_mask[128];  // byte e = 0xff where element e of the 7-bit sign index is negative
-    uint8_t signs[128];       // the sign bits themselves
+    uint64_t grid[256];  // byte e of entry k: magnitude of element e
+    uint8_t signs[128];  // the eight sign bits of each 7-bit sign index
 };
 
 struct WeightRef {

@@ -208,7 +208,6 @@ __global__ void quantize_rows_kernel(const float * x, const float * x_up, float 
 // ---------------------------------------------------------------------------------------------------------------------
 struct Tables {
     const uint64_t * grid;  // IQ2_XXS, in shared memory
-    const uint64_t * mask;
 };
 
 __device__ __forceinline__ int4 ldg16(const uint8_t * p) { return __ldg(reinterpret_cast<const int4 *>(p)); }
@@ -291,8 +290,12 @@ struct Iq2XxsUnit {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             const uint64_t g = t.grid[(idx >> (8 * kk)) & 255];
-            const uint64_t m = t.mask[(sgn >> (7 * kk)) & 127];
-            const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32), mlo = uint32_t(m), mhi = uint32_t(m >> 32);
+            // The eight signs: seven stored bits and their parity (an even count of negatives), spread to byte
+            // masks (bit e -> 0xff in byte e) by arithmetic rather than a second table lookup.
+            const uint32_t s7 = (sgn >> (7 * kk)) & 127, s8 = s7 | ((__popc(s7) & 1) << 7);
+            const uint32_t mlo = (((s8 & 15) * 0x00204081u) & 0x01010101u) * 0xffu;
+            const uint32_t mhi = (((s8 >> 4) * 0x00204081u) & 0x01010101u) * 0xffu;
+            const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32);
             // Negation per byte: (g ^ 0xff) + 1 = -g; magnitudes are 8..43, so no byte carries.
             const int vlo = int((glo ^ mlo) + (mlo & 0x01010101u));
             const int vhi = int((ghi ^ mhi) + (mhi & 0x01010101u));
@@ -541,14 +544,12 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
 
     // Shared memory: [IQ2 tables] codes, scales, sums.
     uint8_t * p = smem;
-    Tables tab{nullptr, nullptr};
+    Tables tab{nullptr};
     if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
         uint64_t * grid = reinterpret_cast<uint64_t *>(p);
-        uint64_t * mask = grid + 256;
         for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = t.w.iq2->grid[i];
-        for (int i = threadIdx.x; i < 128; i += kThreads) mask[i] = t.w.iq2->sign_mask[i];
-        tab = {grid, mask};
-        p += 384 * sizeof(uint64_t);
+        tab = {grid};
+        p += 256 * sizeof(uint64_t);
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);
@@ -790,7 +791,7 @@ Act act_of(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::MXFP4 ? Ac
 // tokens) or the one row it quantizes itself.
 constexpr size_t kInBlockActSmem = 40 * 1024;
 
-size_t tables_smem(GgmlType t) { return t == GgmlType::IQ2_XXS ? 384 * sizeof(uint64_t) : 0; }
+size_t tables_smem(GgmlType t) { return t == GgmlType::IQ2_XXS ? 256 * sizeof(uint64_t) : 0; }
 
 size_t quant_smem(GgmlType t, int nt, int64_t k, bool in_block) {
     if (is_float(t)) return 0;
