@@ -887,12 +887,8 @@ TEST_F(GgufTest, SplitModelReadsAsOne) {
     auto write_part = [&](int k, std::initializer_list<const char *> names, uint16_t no, int64_t total, bool meta) {
         GgufWriter w(path(fmt::format("m-{:05}-of-{:05}.gguf", k + 1, n_files)));
         if (meta) w.set("general.architecture", GgufValue::make_string("deepseek4"));
-        GgufValue split_no, split_count;
-        split_no.type = split_count.type = GgufType::UINT16;
-        split_no.u = no;
-        split_count.u = n_files;
-        w.set("split.no", split_no);
-        w.set("split.count", split_count);
+        w.set("split.no", GgufValue::make_u16(no));
+        w.set("split.count", GgufValue::make_u16(uint16_t(n_files)));
         w.set("split.tensors.count", GgufValue::make_i32(int32_t(total)));
         for (const char * n : names) w.add_tensor(n, GgmlType::F32, {4});
         for (size_t i = 0; i < names.size(); ++i) {

@@ -203,12 +203,8 @@ TEST(Weights, SplitFileLoadsAsOne) {
         GgufWriter w(dir.file(fmt::format("split-{:05}-of-{:05}.gguf", part + 1, n_parts)));
         if (part == 0)
             for (const GgufKv & kv : in.metadata()) w.set(kv.key, kv.value);
-        GgufValue no, count;
-        no.type = count.type = GgufType::UINT16;
-        no.u = part;
-        count.u = n_parts;
-        w.set("split.no", no);
-        w.set("split.count", count);
+        w.set("split.no", GgufValue::make_u16(uint16_t(part)));
+        w.set("split.count", GgufValue::make_u16(uint16_t(n_parts)));
         w.set("split.tensors.count", GgufValue::make_i32(int32_t(n_tensors)));
         const size_t begin = part * n_tensors / n_parts, end = (part + 1) * n_tensors / n_parts;
         for (size_t i = begin; i < end; ++i) {
