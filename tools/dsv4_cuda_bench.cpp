@@ -144,9 +144,9 @@ int run_kernels(const CudaBackendOptions & options) {
           Mat{"indexer q_b", GgmlType::F16, 1024, 8192}, Mat{"expert gate", GgmlType::IQ2_XXS, 4096, 2048},
           Mat{"expert down", GgmlType::Q2_K, 2048, 4096}, Mat{"q4 expert", GgmlType::Q4_K, 4096, 2048}}) {
         const Tensor w = B.weight(m.type, m.in, m.out);
-        for (int64_t n : {1, 8, 512}) {
+        for (int64_t n : {1, 8, 512, 4096}) {
             const Tensor x = B.act(m.in, n), y = B.act(m.out, n);
-            const double us = B.time([&] { B.b.matmul(w, x, y); }, n > 8 ? 5 : 50);
+            const double us = B.time([&] { B.b.matmul(w, x, y); }, n > 8 ? 3 : 50);
             std::printf("matmul %-14s %-8s [%5ld -> %6ld] n=%-4ld %9.1f us  %7.1f GB/s of weights  %8.2f TFLOP/s\n",
                         m.name, std::string(type_name(m.type)).c_str(), m.in, m.out, n, us,
                         double(w.n_bytes()) / us / 1e3, 2.0 * double(m.in * m.out * n) / us / 1e6);
@@ -188,7 +188,7 @@ int run_kernels(const CudaBackendOptions & options) {
         const int64_t E = 256, D = 4096, I = 2048, k = 6;
         const Tensor gate = B.weight(GgmlType::IQ2_XXS, D, I, E), up = B.weight(GgmlType::IQ2_XXS, D, I, E);
         const Tensor down = B.weight(GgmlType::Q2_K, I, D, E);
-        for (int64_t n : {1, 4, 16, 64, 256, 2048}) {
+        for (int64_t n : {1, 4, 16, 64, 256, 2048, 8192}) {
             const Tensor x = B.act(D, n), out = B.act(D, n), w = B.act(k, n);
             const Tensor ex = B.act(k, n, 1, 1, GgmlType::I32);
             std::vector<int32_t> ids(size_t(k * n));
@@ -201,8 +201,9 @@ int run_kernels(const CudaBackendOptions & options) {
             const double bytes =
                 double(gate.n_bytes() + up.n_bytes() + down.n_bytes()) / double(E) * double(used.size());
             std::printf(
-                "moe iq2_xxs/q2_K 6 of %ld experts n=%-4ld %9.1f us  %7.1f GB/s of %zu selected experts (%s)\n", E, n,
-                us, bytes / us / 1e3, used.size(),
+                "moe iq2_xxs/q2_K 6 of %ld experts n=%-4ld %9.1f us  %7.1f GB/s of %zu selected experts  %6.2f "
+                "TFLOP/s (%s)\n",
+                E, n, us, bytes / us / 1e3, used.size(), 6.0 * double(n * k * D * I) / us / 1e6,
                 cuda_tensor_core_moe(GgmlType::IQ2_XXS, GgmlType::Q2_K, D, I, n * k, E) ? "tensor cores" : "integer");
         }
     }

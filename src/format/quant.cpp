@@ -5,6 +5,7 @@
 // dequantized row equals ggml's bit for bit; tests/data/quant/ggml_vectors.bin checks this.
 #include "format/quant.h"
 
+#include "format/q4k_scales.h"
 #include "format/quant_impl.h"
 #include "util/error.h"
 #include "util/half.h"
@@ -75,17 +76,6 @@ inline int floor_log2(float x) {
     const int exp = int(b >> 23);
     if (exp == 0) return int(std::bit_width(b)) - 150;  // subnormal: x = b·2^-149
     return exp - 127;
-}
-
-// Q4_K's 6-bit scale and min of sub-block j (of 8), packed in 12 bytes.
-inline void q4k_scale_min(const uint8_t * sc, int j, int & s, int & m) {
-    if (j < 4) {
-        s = sc[j] & 63;
-        m = sc[j + 4] & 63;
-    } else {
-        s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    }
 }
 
 inline uint32_t load_u32(const void * p) {

@@ -75,7 +75,6 @@ class CudaBackend final : public Backend {
 
         cuda::Iq2Tables t{};
         for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
-        for (int s = 0; s < 128; ++s) t.signs[s] = quant_detail::kIq2.signs[s];
         check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
         check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
     }
@@ -504,12 +503,12 @@ class CudaBackend final : public Backend {
         d.t[0] = target(down, Tensor{}, dim);
         d.x_stride = inner;
         d.src_div = 1;
-        // Tensor cores once an expert sees about 8 pairs on average (a prefill chunk; 64-pair tiles, f16
+        // Tensor cores once an expert sees about 8 pairs on average (a prefill chunk; 64- or 128-pair tiles, f16
         // activations); below that the integer dot products over 8-pair tiles waste less.
         const bool tensor_cores = tensor_cores_ &&
                                   cuda_tensor_core_moe(gate.type, down.type, dim, inner, n_pairs, n_expert) &&
                                   cuda::gemm_inputs_aligned(g);
-        const int nt = tensor_cores ? cuda::kGemmTileTokens
+        const int nt = tensor_cores ? cuda::gemm_tile_tokens(n_pairs / n_expert)
                                     : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
                                                cuda::matvec_tile_tokens(down.type, inner, n));
         const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
@@ -563,7 +562,7 @@ class CudaBackend final : public Backend {
             a->n_tiles = n_tiles;
             a->pairs = pairs;
             if (tensor_cores)
-                cuda::gemm(*a, max_tiles, stream_);
+                cuda::gemm(*a, max_tiles, nt, stream_);
             else
                 cuda::matvec(*a, max_tiles, nt, stream_);
             launched(a == &g ? "moe gate/up" : "moe down");
@@ -702,7 +701,8 @@ class CudaBackend final : public Backend {
             uint16_t * x16 = static_cast<uint16_t *>(scratch(size_t(a.n * a.x_stride) * 2));
             cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
             a.x_f16 = x16;
-            cuda::gemm(a, (a.n + cuda::kGemmTileTokens - 1) / cuda::kGemmTileTokens, stream_);
+            const int nt = cuda::gemm_tile_tokens(a.n);
+            cuda::gemm(a, (a.n + nt - 1) / nt, nt, stream_);
             launched("gemm");
             return;
         }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/kernels.h"
+#include "format/q4k_scales.h"
 
 #include <cuda_fp16.h>
 
@@ -199,81 +200,111 @@ __device__ __forceinline__ const uint8_t * split_scales(const WeightRef & w, int
 }
 __device__ __forceinline__ uint16_t ld_u16(const uint8_t * p) { return *reinterpret_cast<const uint16_t *>(p); }
 
-// Eight consecutive elements (row, col .. col + 7) of a quantized weight, col a multiple of 8: every block type
-// holds them in 8 aligned payload bytes under one scale, so one load and one scale decode serve all eight (the
-// tensor-core products decode whole tiles this way; weight_element picks one of them).
+// Eight consecutive elements (row, col .. col + 7) of a weight, col a multiple of 8: every block type holds them in
+// 8 aligned payload bytes under one scale (float types: 16 bytes), so one load and one scale decode serve all
+// eight. Loading (load8) and decoding (decode8) are apart so that a tensor-core product can issue the loads of its
+// next tile before the multiply-adds of the current one and decode after them; Raw8 holds what the decode needs.
+struct Raw8 {
+    uint4 q;         // payload: 8 code bytes in q.x, q.y (IQ2_XXS: grid indices, sign word); float types: all 16
+    uint32_t scale;  // the block's scale bits (Q2_K, Q4_K: d | dmin << 16)
+    uint32_t aux;    // Q2_K: the sub-block scale byte; Q4_K: sub-block scale | min << 8
+};
+
 template <GgmlType T>
-__device__ __forceinline__ void decode8(const WeightRef & w, int64_t row, int64_t col, float (&v)[8]) {
-    if constexpr (T == GgmlType::Q8_0) {
+__device__ __forceinline__ Raw8 load8(const WeightRef & w, int64_t row, int64_t col) {
+    Raw8 r{};
+    if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
+        r.q = __ldg(reinterpret_cast<const uint4 *>(w.data + (row * w.ne0 + col) * 2));
+    } else if constexpr (T == GgmlType::Q8_0) {
         const int64_t gb = row * (w.ne0 / 32) + col / 32;
-        const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 32, 2)));
+        r.scale = ld_u16(split_scales(w, gb, 32, 2));
         const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 32) + col % 32);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = float(int8_t((e < 4 ? q.x : q.y) >> (8 * (e % 4)))) * d;
+        r.q.x = q.x, r.q.y = q.y;
     } else if constexpr (T == GgmlType::MXFP4) {
         const int64_t gb = row * (w.ne0 / 32) + col / 32;
-        const int i = int(col % 32);
-        const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 16) + (i & 15));
-        const float scale = e8m0_half(*split_scales(w, gb, 16, 1));
-        constexpr int8_t kTab[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const uint32_t byte = ((e < 4 ? q.x : q.y) >> (8 * (e % 4))) & 255;
-            v[e] = float(kTab[i < 16 ? (byte & 15) : (byte >> 4)]) * scale;
-        }
+        const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 16) + (col % 32 & 15));
+        r.q.x = q.x, r.q.y = q.y;
+        r.scale = *split_scales(w, gb, 16, 1);
     } else if constexpr (T == GgmlType::Q2_K) {
+        // Element 128h + 32g + l sits in bits 2g of qs[32h + l]; its scale byte is element / 16.
         const int64_t gb = row * (w.ne0 / 256) + col / 256;
-        const int i = int(col % 256);
+        const int i = int(col % 256), h = i / 128, l = i % 32;
         const uint8_t * p = split_payload(w, gb, 80);
         const uint8_t * sd = split_scales(w, gb, 80, 4);
-        const float d = f16_bits_to_f32(ld_u16(sd)), dmin = f16_bits_to_f32(ld_u16(sd + 2));
-        // Element 128h + 32g + l sits in bits 2g of qs[32h + l]; its scale byte is element / 16.
-        const int h = i / 128, g = (i % 128) / 32, l = i % 32;
-        const uint8_t sc = p[i / 16];
+        r.scale = *reinterpret_cast<const uint32_t *>(sd);
+        r.aux = p[i / 16];
         const uint2 q = *reinterpret_cast<const uint2 *>(p + 16 + 32 * h + l);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const int qe = int(((e < 4 ? q.x : q.y) >> (8 * (e % 4) + 2 * g)) & 3);
-            v[e] = d * float(sc & 15) * float(qe) - dmin * float(sc >> 4);
-        }
+        r.q.x = q.x, r.q.y = q.y;
     } else if constexpr (T == GgmlType::Q4_K) {
         const int64_t gb = row * (w.ne0 / 256) + col / 256;
         const int i = int(col % 256);
         const uint8_t * b = w.data + gb * 144;
-        const float d = f16_bits_to_f32(ld_u16(b)), dmin = f16_bits_to_f32(ld_u16(b + 2));
+        r.scale = *reinterpret_cast<const uint32_t *>(b);
         const uint8_t * sc = b + 4;
         const int j = i / 32;  // sub-block
         int s, m;
-        if (j < 4) {
-            s = sc[j] & 63;
-            m = sc[j + 4] & 63;
-        } else {
-            s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        }
+        q4k_scale_min(sc, j, s, m);
+        r.aux = uint32_t(s) | uint32_t(m) << 8;
         const uint2 q = *reinterpret_cast<const uint2 *>(b + 16 + 32 * (j / 2) + i % 32);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const uint32_t byte = ((e < 4 ? q.x : q.y) >> (8 * (e % 4))) & 255;
-            v[e] = d * float(s) * float((j & 1) ? byte >> 4 : byte & 15) - dmin * float(m);
-        }
+        r.q.x = q.x, r.q.y = q.y;
     } else if constexpr (T == GgmlType::IQ2_XXS) {
         const int64_t gb = row * (w.ne0 / 256) + col / 256;
-        const int i = int(col % 256);
-        const uint8_t * p = split_payload(w, gb, 64);
-        const float d = f16_bits_to_f32(ld_u16(split_scales(w, gb, 64, 2)));
-        const int g = i / 32, k = (i % 32) / 8;
-        const uint32_t idx = *reinterpret_cast<const uint32_t *>(p + 8 * g);
-        const uint32_t sgn = *reinterpret_cast<const uint32_t *>(p + 8 * g + 4);
-        const float db = d * (0.5f + float(sgn >> 28)) * 0.25f;
-        const uint64_t grid = w.iq2->grid[(idx >> (8 * k)) & 255];
-        const uint8_t signs = w.iq2->signs[(sgn >> (7 * k)) & 127];
+        const uint2 q = *reinterpret_cast<const uint2 *>(split_payload(w, gb, 64) + 8 * (col % 256 / 32));
+        r.q.x = q.x, r.q.y = q.y;
+        r.scale = ld_u16(split_scales(w, gb, 64, 2));
+    }
+    return r;
+}
+
+// The eight values of a Raw8 loaded at column col (quantized types; iq2_grid: Iq2Tables::grid, in any memory).
+template <GgmlType T>
+__device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint64_t * iq2_grid, float (&v)[8]) {
+    const uint32_t q[2] = {r.q.x, r.q.y};
+    if constexpr (T == GgmlType::Q8_0) {
+        const float d = f16_bits_to_f32(uint16_t(r.scale));
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = float(int8_t(q[e / 4] >> (8 * (e % 4)))) * d;
+    } else if constexpr (T == GgmlType::MXFP4) {
+        const bool low = col % 32 < 16;
+        const float scale = e8m0_half(uint8_t(r.scale));
+        constexpr int8_t kTab[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const uint32_t byte = (q[e / 4] >> (8 * (e % 4))) & 255;
+            v[e] = float(kTab[low ? (byte & 15) : (byte >> 4)]) * scale;
+        }
+    } else if constexpr (T == GgmlType::Q2_K) {
+        const float d = f16_bits_to_f32(uint16_t(r.scale)), dmin = f16_bits_to_f32(uint16_t(r.scale >> 16));
+        const int g = int(col % 128 / 32);
+        const float mul = d * float(r.aux & 15), sub = dmin * float(r.aux >> 4);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = mul * float(int((q[e / 4] >> (8 * (e % 4) + 2 * g)) & 3)) - sub;
+    } else if constexpr (T == GgmlType::Q4_K) {
+        const float d = f16_bits_to_f32(uint16_t(r.scale)), dmin = f16_bits_to_f32(uint16_t(r.scale >> 16));
+        const bool high = (col % 256 / 32) & 1;
+        const float mul = d * float(r.aux & 255), sub = dmin * float(r.aux >> 8);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const uint32_t byte = (q[e / 4] >> (8 * (e % 4))) & 255;
+            v[e] = mul * float(high ? byte >> 4 : byte & 15) - sub;
+        }
+    } else if constexpr (T == GgmlType::IQ2_XXS) {
+        // The eight signs: the seven stored bits and their parity (an even count of negatives).
+        const int k = int(col % 32 / 8);
+        const float db = f16_bits_to_f32(uint16_t(r.scale)) * (0.5f + float(q[1] >> 28)) * 0.25f;
+        const uint64_t grid = iq2_grid[(q[0] >> (8 * k)) & 255];
+        const uint32_t s7 = (q[1] >> (7 * k)) & 127, signs = s7 | ((__popc(s7) & 1) << 7);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float m = db * float((grid >> (8 * e)) & 255);
             v[e] = (signs >> e) & 1 ? -m : m;
         }
     }
+}
+
+template <GgmlType T>
+__device__ __forceinline__ void decode8(const WeightRef & w, int64_t row, int64_t col, float (&v)[8]) {
+    decode8<T>(load8<T>(w, row, col), col, w.iq2 ? w.iq2->grid : nullptr, v);
 }
 
 // Element (row, col) of a weight of any supported type (tables are in the upload layout).

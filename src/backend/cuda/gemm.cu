@@ -1,80 +1,252 @@
 // Tensor-core products for many tokens (prefill): the same MatvecArgs as matvec.cu (several targets, grouped
 // projections, expert tiles, SwiGLU of gate and up, a SwiGLU activation, an addend), computed tile by tile with
-// WMMA. The activations are rounded to f16 once, by gemm_activations (with their SwiGLU when x_up is given); a
-// block decodes BM = 128 weight rows (64 for small products) × 64 columns to f16 in shared memory (decode8: one
-// load and one scale per eight weights), loads 64 tokens' f16 activations beside them and accumulates in f32.
-// Each weight byte is read once per 64 tokens instead of once per 8 with the integer dot products, each
-// activation once per 128 rows, and the multiply-adds run on the tensor cores.
+// mma.sync (m16n8k16, f16 inputs, f32 accumulators). The activations are rounded to f16 once, by
+// gemm_activations (with their SwiGLU when x_up is given).
+//
+// A block owns a tile of 128 weight rows (64 for small products; with SwiGLU, half of them gate rows and the same
+// rows of up) × 128 tokens (64 where an expert's tiles would be mostly empty), 16 warps of 32 × 32, and walks K in
+// steps of 64. Each step's inputs, the weight rows' raw block bytes (codes and scales, as stored) and the tokens'
+// f16 activations, travel by cp.async into a ring of shared-memory slots kept up to three steps ahead, so that
+// the memory latency (microseconds under load) hides behind the math of the steps in between. Each step decodes
+// its raw bytes to an f16 weight tile (two, alternating, so one barrier per step suffices) and multiplies it with
+// the activation tile on the tensor cores. Each weight byte is read once per 128 tokens instead of once per 8 with
+// the integer dot products. Where the time goes: instructions, not memory: the copies and the decode cost about
+// as many as the multiply-adds, which is why the tiles are as large as 128-register threads allow.
 //
 // Numerics: f16 activations (11-bit significand) instead of matvec's 8-bit codes, so these products are closer
 // to f32 activations than the decode path is; a weight decodes to the f16 nearest its exact value.
 #include "backend/cuda/common.cuh"
 
-#include <mma.h>
+#include <type_traits>
 
 namespace dsv4::cuda {
 namespace {
 
-using namespace nvcuda;
+constexpr int kBK = 64;       // columns per step
+constexpr int kLd = kBK + 8;  // halves per shared row: 144 bytes, so the 8 rows of an ldmatrix hit distinct banks
 
-constexpr int kBN = kGemmTileTokens;  // tokens per block
-constexpr int kBK = 64;               // columns per step
-constexpr int kLd = kBK + 8;          // halves per shared row: a 16-byte multiple, and rows start on different banks
-
-// Warps: BM / 32 × 2, each a 32-row × 32-token part of the BM × 64 output tile.
-template <int BM>
-constexpr int gemm_threads() {
-    return BM / 32 * 2 * 32;
-}
-
-// Shared memory: during the K loop the weight tile(s) [BM][kLd] and the activation tile [kBN][kLd] (f16); after
-// it, the same bytes hold the output tile [kBN][BM + 4] (f32; SwiGLU is applied in the accumulators).
-template <int BM, bool GLU>
-constexpr size_t gemm_smem() {
-    constexpr size_t loop = size_t((GLU ? 2 : 1) * BM + kBN) * kLd * 2;
-    constexpr size_t out = size_t(kBN) * (BM + 4) * 4;
-    return loop > out ? loop : out;
-}
-
-// Eight weights (row, col..col+7) as f16 into dst (16-byte aligned); rows past the matrix are zero.
+// ---------------------------------------------------------------------------------------------------------------------
+// Raw weight bytes of one step
+// ---------------------------------------------------------------------------------------------------------------------
+// What one weight row contributes to a 64-column step (k0 a multiple of 64), as copied into its shared-memory row
+// of raw_stride<T>() bytes: raw_pieces<T>() pieces of 16 or 4 aligned bytes.
+//   F16, BF16  128 B: the 64 values
+//   Q8_0        68 B: two blocks' payload (64 B, contiguous in the split layout), their two scales (one 4-byte word)
+//   MXFP4       36 B: two blocks' payload (32 B), the aligned scale word holding their two exponents
+//   Q2_K        40 B: the 32 code bytes holding the 64 columns, their 4 sub-block scale bytes, d and dmin
+//   Q4_K        48 B: d, dmin and the 12 scale bytes, the 32 code bytes of the two sub-blocks (low and high nibbles)
+//   IQ2_XXS     20 B: two 32-column groups (16 B), the aligned scale word holding the super-block's d
 template <GgmlType T>
-__device__ __forceinline__ void weights8_to_smem(const WeightRef & w, int64_t row, bool valid, int64_t col,
-                                                 half * dst) {
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (valid) {
-        if constexpr (T == GgmlType::F16) {
-            packed = __ldg(reinterpret_cast<const uint4 *>(w.data + (row * w.ne0 + col) * 2));
-        } else {
-            float v[8];
-            if constexpr (T == GgmlType::BF16) {
-                const uint4 raw = __ldg(reinterpret_cast<const uint4 *>(w.data + (row * w.ne0 + col) * 2));
-                const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    v[2 * j] = bf16_bits_to_f32(uint16_t(word[j]));
-                    v[2 * j + 1] = bf16_bits_to_f32(uint16_t(word[j] >> 16));
-                }
-            } else {
-                decode8<T>(w, row, col, v);
-            }
-            half2 h[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-            packed = *reinterpret_cast<const uint4 *>(h);
-        }
-    }
-    *reinterpret_cast<uint4 *>(dst) = packed;
+constexpr int raw_stride() {
+    return T == GgmlType::F16 || T == GgmlType::BF16 ? 128
+           : T == GgmlType::Q8_0                     ? 80
+           : T == GgmlType::IQ2_XXS                  ? 32
+                                                     : 48;
+}
+template <GgmlType T>
+constexpr int raw_pieces() {
+    return T == GgmlType::F16 || T == GgmlType::BF16 ? 8
+           : T == GgmlType::Q8_0                     ? 5
+           : T == GgmlType::Q2_K                     ? 4
+           : T == GgmlType::IQ2_XXS                  ? 2
+                                                     : 3;
 }
 
-template <GgmlType T, bool GLU, int BM>
-__global__ void __launch_bounds__(gemm_threads<BM>()) gemm_kernel(const MatvecArgs a) {
-    constexpr int kThreads = gemm_threads<BM>(), kLdOut = BM + 4;
-    __shared__ __align__(128) uint8_t smem[gemm_smem<BM, GLU>()];
-    __shared__ int64_t src[kBN], dst[kBN];
+struct RawPiece {
+    const uint8_t * src;
+    int dst;    // byte offset in the row's raw bytes
+    int bytes;  // 16 or 4
+};
+
+template <GgmlType T>
+__device__ __forceinline__ RawPiece raw_piece(const WeightRef & w, int64_t row, int64_t k0, int piece) {
+    if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
+        return {w.data + (row * w.ne0 + k0) * 2 + 16 * piece, 16 * piece, 16};
+    } else if constexpr (T == GgmlType::Q8_0) {
+        const int64_t gb = row * (w.ne0 / 32) + k0 / 32;
+        return piece < 4 ? RawPiece{split_payload(w, gb, 32) + 16 * piece, 16 * piece, 16}
+                         : RawPiece{split_scales(w, gb, 32, 2), 64, 4};
+    } else if constexpr (T == GgmlType::MXFP4) {
+        const int64_t gb = row * (w.ne0 / 32) + k0 / 32;
+        return piece < 2 ? RawPiece{split_payload(w, gb, 16) + 16 * piece, 16 * piece, 16}
+                         : RawPiece{split_scales(w, gb & ~int64_t(3), 16, 1), 32, 4};
+    } else if constexpr (T == GgmlType::Q2_K) {
+        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
+        const int i0 = int(k0 % 256);
+        const uint8_t * p = split_payload(w, gb, 80);
+        return piece < 2    ? RawPiece{p + 16 + 32 * (i0 / 128) + 16 * piece, 16 * piece, 16}
+               : piece == 2 ? RawPiece{p + i0 / 16, 32, 4}
+                            : RawPiece{split_scales(w, gb, 80, 4), 36, 4};
+    } else if constexpr (T == GgmlType::Q4_K) {
+        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
+        const uint8_t * b = w.data + gb * 144;
+        return piece == 0 ? RawPiece{b, 0, 16}
+                          : RawPiece{b + 16 + 32 * (k0 % 256 / 64) + 16 * (piece - 1), 16 * piece, 16};
+    } else {  // IQ2_XXS
+        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
+        return piece == 0 ? RawPiece{split_payload(w, gb, 64) + 8 * (k0 % 256 / 32), 0, 16}
+                          : RawPiece{split_scales(w, gb & ~int64_t(1), 64, 2), 16, 4};
+    }
+}
+
+// Eight weights at column c (a multiple of 8) of a step, from the row's raw bytes rb, as load8 would load them.
+template <GgmlType T>
+__device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, const WeightRef & w, int64_t row, int64_t k0,
+                                               int c) {
+    Raw8 r{};
+    if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
+        r.q = *reinterpret_cast<const uint4 *>(rb + 2 * c);
+    } else {
+        const uint2 * q = nullptr;
+        if constexpr (T == GgmlType::Q8_0) {
+            q = reinterpret_cast<const uint2 *>(rb + c);
+            r.scale = *reinterpret_cast<const uint16_t *>(rb + 64 + 2 * (c / 32));
+        } else if constexpr (T == GgmlType::MXFP4) {
+            q = reinterpret_cast<const uint2 *>(rb + 16 * (c / 32) + (c % 16));
+            r.scale = rb[32 + int((row * (w.ne0 / 32) + k0 / 32) & 3) + c / 32];
+        } else if constexpr (T == GgmlType::Q2_K) {
+            q = reinterpret_cast<const uint2 *>(rb + (k0 + c) % 32);
+            r.aux = rb[32 + c / 16];
+            r.scale = *reinterpret_cast<const uint32_t *>(rb + 36);
+        } else if constexpr (T == GgmlType::Q4_K) {
+            r.scale = *reinterpret_cast<const uint32_t *>(rb);
+            const uint8_t * sc = rb + 4;
+            int s, m;
+            q4k_scale_min(sc, int((k0 + c) % 256 / 32), s, m);
+            r.aux = uint32_t(s) | uint32_t(m) << 8;
+            q = reinterpret_cast<const uint2 *>(rb + 16 + c % 32);
+        } else {  // IQ2_XXS
+            q = reinterpret_cast<const uint2 *>(rb + 8 * (c / 32));
+            r.scale = *reinterpret_cast<const uint16_t *>(rb + 16 + 2 * int((row * (w.ne0 / 256) + k0 / 256) & 1));
+        }
+        r.q.x = q->x, r.q.y = q->y;
+    }
+    return r;
+}
+
+// Eight weights as eight f16 values (col: their column in the matrix).
+template <GgmlType T>
+__device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const uint64_t * iq2_grid) {
+    if constexpr (T == GgmlType::F16) {
+        return r.q;
+    } else if constexpr (T == GgmlType::Q8_0) {
+        // In f16 arithmetic: a code with its sign bit flipped, as the low byte of 0x6400 (1024), is 1152 + q
+        // exactly; the product with the f16 scale is rounded once, as the f32 product (exact) rounded to f16.
+        const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));
+        const half2 bias = __half2half2(__ushort_as_half(uint16_t(0x6480)));  // 1152
+        uint4 packed;
+        uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t biased =
+                __byte_perm((j < 2 ? r.q.x : r.q.y) ^ 0x80808080u, 0x64646464u, j % 2 ? 0x4342 : 0x4140);
+            const half2 v = __hmul2(__hsub2(*reinterpret_cast<const half2 *>(&biased), bias), d);
+            h[j] = *reinterpret_cast<const uint32_t *>(&v);
+        }
+        return packed;
+    } else {
+        float v[8];
+        if constexpr (T == GgmlType::BF16) {
+            const uint32_t word[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                v[2 * j] = bf16_bits_to_f32(uint16_t(word[j]));
+                v[2 * j + 1] = bf16_bits_to_f32(uint16_t(word[j] >> 16));
+            }
+        } else {
+            decode8<T>(r, col, iq2_grid, v);
+        }
+        uint4 packed;
+        uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const half2 pair = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+            h[j] = *reinterpret_cast<const uint32_t *>(&pair);
+        }
+        return packed;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------------------------------------
+// A block's tile: ROWS weight rows (128, or 64 for small products and small shared memories) × BN tokens (128,
+// or 64 where tiles would be mostly empty: experts with few tokens). With SwiGLU the rows are BM = ROWS / 2 gate
+// rows then the same BM rows of up (SwiGLU applied when the tile is stored). Warps: ROWS / 32 × BN / 32, each a
+// 32-row × 32-token part; 16 warps for 128 × 128.
+template <bool GLU, int ROWS>
+constexpr int gemm_bm() {
+    return GLU ? ROWS / 2 : ROWS;
+}
+template <int ROWS, int BN>
+constexpr int gemm_threads() {
+    return ROWS / 32 * (BN / 32) * 32;
+}
+
+// Dynamic shared memory, bytes: during the K loop the ring (per slot: raw weight rows, activations [BN][kLd]
+// f16) and two decoded weight tiles [ROWS][kLd] (f16); after it, the output tile [BN][ROWS + 4] (f32). The ring
+// has 4 slots (loads run three steps ahead) when 16 warps per multiprocessor still fit in sm_90's 227 KB, else 3.
+template <GgmlType T, int ROWS, int BN>
+struct GemmSmem {
+    static constexpr int raw = ROWS * raw_stride<T>();
+    static constexpr int slot = raw + BN * kLd * 2;
+    static constexpr int tile = ROWS * kLd * 2;
+    static constexpr int out = BN * (ROWS + 4) * 4;
+    static constexpr int bytes_for(int stages) {
+        return stages * slot + 2 * tile > out ? stages * slot + 2 * tile : out;
+    }
+    static constexpr int stages = bytes_for(4) * (512 / gemm_threads<ROWS, BN>()) <= 220 * 1024 ? 4 : 3;
+    static constexpr size_t bytes = size_t(bytes_for(stages));
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// Global -> shared without passing through registers (16 bytes by L2 only, 4 bytes through L1); zeros when src
+// is null.
+__device__ __forceinline__ void cp_async16(void * dst, const void * src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src ? src : dst),
+                 "r"(src ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void * dst, const void * src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+// Four 8×8 f16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const half * p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+// c += a (16×16, row-major) · b (16×8, column-major).
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Registers: at most 128 per thread (512 / threads blocks per multiprocessor), so that 16 warps fit.
+template <GgmlType T, bool GLU, int ROWS, int BN>
+__global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<ROWS, BN>())
+    gemm_kernel(const MatvecArgs a) {
+    using Smem = GemmSmem<T, ROWS, BN>;
+    constexpr int BM = gemm_bm<GLU, ROWS>(), kThreads = gemm_threads<ROWS, BN>(), kLdOut = ROWS + 4;
+    constexpr int kStride = raw_stride<T>(), kPieces = raw_pieces<T>(), kStages = Smem::stages;
+    constexpr int kGroups = ROWS * (kBK / 8) / kThreads;                     // weight groups of 8 a thread decodes
+    constexpr int kPieceTasks = (ROWS * kPieces + kThreads - 1) / kThreads;  // raw pieces a thread copies
+    constexpr int kTokenTasks = BN * (kBK / 8) / kThreads;                   // 16-byte activation pieces
+    extern __shared__ __align__(128) uint8_t smem[];  // ring [kStages][Smem::slot], tiles [2][ROWS][kLd]
+    __shared__ int64_t src[BN], dst[BN];
     __shared__ int n_tok_shared;
-    half * ws = reinterpret_cast<half *>(smem);     // [GLU ? 2 : 1][BM][kLd]
-    half * xs = ws + (GLU ? 2 : 1) * BM * kLd;      // [kBN][kLd]
-    float * out = reinterpret_cast<float *>(smem);  // [kBN][kLdOut]
+    __shared__ uint64_t iq2_grid[T == GgmlType::IQ2_XXS ? 256 : 1];
+    half * const tiles = reinterpret_cast<half *>(smem + kStages * Smem::slot);
+    float * const out = reinterpret_cast<float *>(smem);  // [BN][kLdOut] after the K loop
 
     MatvecTarget t = a.t[0];
 #pragma unroll
@@ -82,6 +254,8 @@ __global__ void __launch_bounds__(gemm_threads<BM>()) gemm_kernel(const MatvecAr
         if (i < a.n_targets && int(blockIdx.x) >= a.t[i].first_block) t = a.t[i];
     const int64_t row0 = int64_t(int(blockIdx.x) - t.first_block) * BM;
     const int64_t k = t.w.ne0, group = blockIdx.z;
+    if constexpr (T == GgmlType::IQ2_XXS)
+        for (int i = threadIdx.x; i < 256; i += kThreads) iq2_grid[i] = t.w.iq2->grid[i];
     pdl_begin();
 
     // The block's tokens: a plain range, or one expert's pairs.
@@ -90,84 +264,147 @@ __global__ void __launch_bounds__(gemm_threads<BM>()) gemm_kernel(const MatvecAr
         if (int(blockIdx.y) >= *a.n_tiles) return;
         const int32_t * tl = a.tiles + 3 * blockIdx.y;
         row_off += int64_t(tl[0]) * t.rows;
-        if (threadIdx.x < kBN) {
+        if (threadIdx.x < BN) {
             const int64_t p = int(threadIdx.x) < tl[2] ? a.pairs[tl[1] + threadIdx.x] : 0;
             src[threadIdx.x] = p / a.src_div;
             dst[threadIdx.x] = p;
         }
         if (threadIdx.x == 0) n_tok_shared = tl[2];
     } else {
-        const int64_t t0 = int64_t(blockIdx.y) * kBN;
-        if (threadIdx.x < kBN) src[threadIdx.x] = dst[threadIdx.x] = t0 + threadIdx.x;
-        if (threadIdx.x == 0) n_tok_shared = int(min(int64_t(kBN), a.n - t0));
+        const int64_t t0 = int64_t(blockIdx.y) * BN;
+        if (threadIdx.x < BN) src[threadIdx.x] = dst[threadIdx.x] = t0 + threadIdx.x;
+        if (threadIdx.x == 0) n_tok_shared = int(min(int64_t(BN), a.n - t0));
     }
     __syncthreads();
     const int n_tok = n_tok_shared;
+    const int64_t steps = k / kBK;
 
-    const int warp = threadIdx.x / 32;
-    const int wr = (warp / 2) * 32, wc = (warp % 2) * 32;  // the warp's rows and tokens in the tile
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[GLU ? 2 : 1][2][2];
+    // Tile row r's weight: gate and up differ only in their data (a selected pointer keeps t in registers).
+    auto weight_of = [&](int r) {
+        WeightRef w = t.w;
+        if (GLU && r >= BM) w.data = t.w_up.data;
+        return w;
+    };
+    // This thread's copies, the same every step: raw pieces (tile row, piece; row -1: none) and activation pieces
+    // (their source at k0 = 0; null: a token past the tile's end, zero-filled).
+    int piece_row[kPieceTasks], piece_of[kPieceTasks];
 #pragma unroll
-    for (int m = 0; m < (GLU ? 2 : 1); ++m)
+    for (int j = 0; j < kPieceTasks; ++j) {
+        const int task = int(threadIdx.x) + j * kThreads, r = task / kPieces;
+        piece_row[j] = task < ROWS * kPieces && row0 + r % BM < t.rows ? r : -1;
+        piece_of[j] = task % kPieces;
+    }
+    const uint16_t * token_src[kTokenTasks];
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < kTokenTasks; ++j) {
+        const int g = int(threadIdx.x) + j * kThreads, i = g / (kBK / 8);
+        token_src[j] = i < n_tok ? a.x_f16 + src[i] * a.x_stride + group * k + (g % (kBK / 8)) * 8 : nullptr;
+    }
+    // One commit group per step: the raw bytes of the tile's rows and the tokens' activations into ring slot
+    // step % kStages. Steps past the end commit an empty group, so that the wait counts stay uniform.
+    auto load_step = [&](int64_t step) {
+        if (step < steps) {
+            uint8_t * slot = smem + (step % kStages) * Smem::slot;
+            const int64_t k0 = step * kBK;
 #pragma unroll
-            for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[m][i][j], 0.0f);
+            for (int j = 0; j < kPieceTasks; ++j) {
+                const int r = piece_row[j];
+                if (r < 0) continue;
+                const RawPiece p = raw_piece<T>(weight_of(r), row_off + row0 + r % BM, k0, piece_of[j]);
+                if (p.bytes == 16)
+                    cp_async16(slot + r * kStride + p.dst, p.src);
+                else
+                    cp_async4(slot + r * kStride + p.dst, p.src);
+            }
+            half * xs = reinterpret_cast<half *>(slot + Smem::raw);
+#pragma unroll
+            for (int j = 0; j < kTokenTasks; ++j) {
+                const int g = int(threadIdx.x) + j * kThreads;
+                cp_async16(xs + (g / (kBK / 8)) * kLd + (g % (kBK / 8)) * 8,
+                           token_src[j] ? token_src[j] + k0 : nullptr);
+            }
+        }
+        cp_async_commit();
+    };
+    // The raw bytes of a step (arrived, and visible to the block) decoded to f16 into tile step % 2: this
+    // thread's groups are tile rows threadIdx.x / 8 + i · (kThreads / 8), columns c8 .. c8 + 7.
+    const int c8 = (threadIdx.x % 8) * 8;
+    auto decode_step = [&](int64_t step) {
+        const uint8_t * slot = smem + (step % kStages) * Smem::slot;
+        half * ws = tiles + (step % 2) * ROWS * kLd;
+        const int64_t k0 = step * kBK;
+#pragma unroll
+        for (int i = 0; i < kGroups; ++i) {
+            const int r = int(threadIdx.x) / 8 + i * (kThreads / 8);
+            uint4 h = make_uint4(0, 0, 0, 0);
+            if (row0 + r % BM < t.rows)
+                h = raw8_to_f16<T>(raw8_from_tile<T>(slot + r * kStride, weight_of(r), row_off + row0 + r % BM, k0, c8),
+                                   k0 + c8, iq2_grid);
+            *reinterpret_cast<uint4 *>(ws + r * kLd + c8) = h;
+        }
+    };
 
-    for (int64_t k0 = 0; k0 < k; k0 += kBK) {
-        // BM rows × 8 groups of 8 weights (and the same of up), then 64 tokens × 8 groups of 8 activations.
-        for (int g = threadIdx.x; g < BM * (kBK / 8); g += kThreads) {
-            const int r = g / (kBK / 8), c8 = (g % (kBK / 8)) * 8;
-            const bool valid = row0 + r < t.rows;
-            const int64_t row = row_off + row0 + r;
-            weights8_to_smem<T>(t.w, row, valid, k0 + c8, ws + r * kLd + c8);
-            if constexpr (GLU) weights8_to_smem<T>(t.w_up, row, valid, k0 + c8, ws + (BM + r) * kLd + c8);
-        }
-        for (int g = threadIdx.x; g < kBN * (kBK / 8); g += kThreads) {
-            const int i = g / (kBK / 8), c8 = (g % (kBK / 8)) * 8;
-            const uint4 v =
-                i < n_tok ? __ldg(reinterpret_cast<const uint4 *>(a.x_f16 + src[i] * a.x_stride + group * k + k0 + c8))
-                          : make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4 *>(xs + i * kLd + c8) = v;
-        }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wr = (warp / (BN / 32)) * 32, wc = (warp % (BN / 32)) * 32;  // the warp's rows and tokens
+    const bool warp_has_tokens = wc < n_tok;  // a partial tile's empty token columns skip the multiply-adds
+    // acc[i][j]: rows wr + 16i .. +15, tokens wc + 8j .. +7, in mma.sync's accumulator layout.
+    float acc[2][4][4] = {};
+
+    for (int s = 0; s < kStages - 1; ++s) load_step(s);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    decode_step(0);
+    for (int64_t s = 0; s < steps; ++s) {
+        // Step s + 1 has arrived for every thread, tile s % 2 is decoded, and step s - 1 is finished everywhere
+        // (its ring slot and tile may be overwritten).
+        cp_async_wait<kStages - 3>();
         __syncthreads();
+        load_step(s + kStages - 1);
+        const half * ws = tiles + (s % 2) * ROWS * kLd;
+        const half * xs = reinterpret_cast<const half *>(smem + (s % kStages) * Smem::slot + Smem::raw);
+        if (warp_has_tokens) {
 #pragma unroll
-        for (int kk = 0; kk < kBK; kk += 16) {
-            // Weights are row-major [row][k]; the activation tile [token][k] is the column-major K × N operand.
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> xf[2];
+            for (int kk = 0; kk < kBK; kk += 16) {
+                // Activations [token][k] are the column-major K × N operand: matrices (tokens 0-7, k 0-7), (0-7,
+                // 8-15), (8-15, 0-7), (8-15, 8-15) of each 16-token half.
+                uint32_t b[2][4];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(xf[j], xs + (wc + 16 * j) * kLd + kk, kLd);
-#pragma unroll
-            for (int m = 0; m < (GLU ? 2 : 1); ++m)
+                for (int j = 0; j < 2; ++j)
+                    ldmatrix_x4(
+                        b[j], xs + (wc + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * kLd + kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> wf;
-                    wmma::load_matrix_sync(wf, ws + (m * BM + wr + 16 * i) * kLd + kk, kLd);
+                    // Weights are row-major [row][k]: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15,
+                    // 8-15).
+                    uint32_t af[4];
+                    ldmatrix_x4(af, ws + (wr + 16 * i + (lane & 15)) * kLd + kk + (lane >> 4) * 8);
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[m][i][j], wf, xf[j], acc[m][i][j]);
+                    for (int j = 0; j < 4; ++j)
+                        mma_16816(acc[i][j], af, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);
                 }
+            }
         }
-        __syncthreads();
+        if (s + 1 < steps) decode_step(s + 1);
     }
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // SwiGLU in the accumulators (gate and up fragments share their element layout), then the tile staged as
-    // [token][row] so that consecutive threads store consecutive output rows of a token.
+    // The tile staged as [token][row] so that consecutive threads store consecutive output rows of a token.
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            if constexpr (GLU)
-                for (int e = 0; e < acc[0][i][j].num_elements; ++e)
-                    acc[0][i][j].x[e] = swiglu_one(acc[0][i][j].x[e], acc[1][i][j].x[e], a.limit);
-            wmma::store_matrix_sync(out + (wc + 16 * j) * kLdOut + wr + 16 * i, acc[0][i][j], kLdOut,
-                                    wmma::mem_col_major);
-        }
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                out[(wc + 8 * j + 2 * (lane % 4) + (e & 1)) * kLdOut + wr + 16 * i + lane / 4 + (e >= 2 ? 8 : 0)] =
+                    acc[i][j][e];
     __syncthreads();
     const int64_t ycol = group * t.rows;
-    for (int idx = threadIdx.x; idx < kBN * BM; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < BN * BM; idx += kThreads) {
         const int i = idx / BM, r = idx % BM;
         if (i >= n_tok || row0 + r >= t.rows) continue;
-        const float v = out[i * kLdOut + r];
+        float v = out[i * kLdOut + r];
+        if constexpr (GLU) v = swiglu_one(v, out[i * kLdOut + BM + r], a.limit);
         const int64_t at = dst[i] * t.y_stride + ycol + row0 + r;
         t.y[at] = t.add ? t.add[at] + v : v;
     }
@@ -193,22 +430,44 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
 }
 
-template <GgmlType T>
-void launch_gemm(const MatvecArgs & a, int bm, dim3 grid, cudaStream_t s) {
-    auto go = [&](auto kernel, int threads) { launch(kernel, grid, dim3(threads), 0, s, a); };
-    if (bm == 128)
-        a.glu ? go(gemm_kernel<T, true, 128>, gemm_threads<128>())
-              : go(gemm_kernel<T, false, 128>, gemm_threads<128>());
-    else
-        a.glu ? go(gemm_kernel<T, true, 64>, gemm_threads<64>()) : go(gemm_kernel<T, false, 64>, gemm_threads<64>());
+template <GgmlType T, bool GLU, int ROWS, int BN>
+void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    launch(gemm_kernel<T, GLU, ROWS, BN>, grid, dim3(gemm_threads<ROWS, BN>()), GemmSmem<T, ROWS, BN>::bytes, s, a);
+}
+template <GgmlType T, int ROWS, int BN>
+void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    a.glu ? launch_gemm<T, true, ROWS, BN>(a, grid, s) : launch_gemm<T, false, ROWS, BN>(a, grid, s);
 }
 
-// One launch over targets of one weight type. 128-row blocks read each activation tile half as often; 64-row
-// blocks when 128 would leave the GPU with few blocks (small products).
-void gemm_one_type(MatvecArgs a, int64_t max_tiles, cudaStream_t s) {
+// Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
+size_t device_smem_optin() {
+    static int bytes[64] = {};
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 0 || dev >= 64) return 48 * 1024;
+    if (bytes[dev] == 0) cudaDeviceGetAttribute(&bytes[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return size_t(std::max(bytes[dev], 48 * 1024));
+}
+constexpr size_t kStaticSmem = 4096;  // src, dst, the IQ2_XXS grid (under 3.2 KB)
+
+// Whether the small tiles of type T fit the device.
+template <GgmlType T>
+bool gemm_fits() {
+    return std::max(GemmSmem<T, 64, 64>::bytes, GemmSmem<T, 64, 128>::bytes) + kStaticSmem <= device_smem_optin();
+}
+
+// One launch over targets of one weight type. 128-row tiles read each activation tile half as often; 64-row
+// tiles when 128 would leave the GPU with fewer than two waves (small products) or would not fit its shared
+// memory.
+template <GgmlType T>
+void gemm_one_type(MatvecArgs a, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
     int64_t rows = 0;
     for (int i = 0; i < a.n_targets; ++i) rows += a.t[i].rows;
-    const int bm = rows / 128 * max_tiles * a.groups >= 4 * device_sms() ? 128 : 64;
+    const int64_t bm128 = a.glu ? 64 : 128;
+    const size_t smem128 = tile_tokens == 128 ? GemmSmem<T, 128, 128>::bytes : GemmSmem<T, 128, 64>::bytes;
+    const bool big = rows / bm128 * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
+                     smem128 + kStaticSmem <= device_smem_optin();
+    const int64_t bm = big ? bm128 : bm128 / 2;
     int first = 0;
     for (int i = 0; i < a.n_targets; ++i) {
         a.t[i].first_block = first;
@@ -216,23 +475,32 @@ void gemm_one_type(MatvecArgs a, int64_t max_tiles, cudaStream_t s) {
         first += a.t[i].blocks;
     }
     const dim3 grid(unsigned(first), unsigned(max_tiles), unsigned(a.groups));
-    switch (a.t[0].w.type) {
+    if (tile_tokens == 128)
+        big ? launch_gemm<T, 128, 128>(a, grid, s) : launch_gemm<T, 64, 128>(a, grid, s);
+    else
+        big ? launch_gemm<T, 128, 64>(a, grid, s) : launch_gemm<T, 64, 64>(a, grid, s);
+}
+
+// Calls fn(std::integral_constant<GgmlType, T>) for the gemm types T (returns false for the others).
+template <class Fn>
+bool with_gemm_type(GgmlType type, Fn && fn) {
+    switch (type) {
         case GgmlType::F16:
-            return launch_gemm<GgmlType::F16>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::F16>()), true;
         case GgmlType::BF16:
-            return launch_gemm<GgmlType::BF16>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::BF16>()), true;
         case GgmlType::Q8_0:
-            return launch_gemm<GgmlType::Q8_0>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::Q8_0>()), true;
         case GgmlType::MXFP4:
-            return launch_gemm<GgmlType::MXFP4>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::MXFP4>()), true;
         case GgmlType::Q2_K:
-            return launch_gemm<GgmlType::Q2_K>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::Q2_K>()), true;
         case GgmlType::Q4_K:
-            return launch_gemm<GgmlType::Q4_K>(a, bm, grid, s);
+            return fn(std::integral_constant<GgmlType, GgmlType::Q4_K>()), true;
         case GgmlType::IQ2_XXS:
-            return launch_gemm<GgmlType::IQ2_XXS>(a, bm, grid, s);
-        default:
-            return;
+            return fn(std::integral_constant<GgmlType, GgmlType::IQ2_XXS>()), true;
+        default:  // F32 weights (the oracle fixtures) keep their exact f32 products
+            return false;
     }
 }
 
@@ -241,18 +509,8 @@ bool aligned16(const void * p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0
 }  // namespace
 
 bool gemm_supported(GgmlType w, int64_t k) {
-    switch (w) {
-        case GgmlType::F16:
-        case GgmlType::BF16:
-        case GgmlType::Q8_0:
-        case GgmlType::MXFP4:
-        case GgmlType::Q2_K:
-        case GgmlType::Q4_K:
-        case GgmlType::IQ2_XXS:
-            return k % kBK == 0;
-        default:  // F32 weights (the oracle fixtures) keep their exact f32 products
-            return false;
-    }
+    bool fits = false;
+    return with_gemm_type(w, [&](auto type) { fits = gemm_fits<decltype(type)::value>(); }) && fits && k % kBK == 0;
 }
 
 bool gemm_inputs_aligned(const MatvecArgs & a) {
@@ -267,9 +525,14 @@ void gemm_activations(const float * x, const float * x_up, float limit, int64_t 
                limit, n, reinterpret_cast<half *>(dst));
 }
 
-void gemm(const MatvecArgs & args, int64_t max_tiles, cudaStream_t s) {
+int gemm_tile_tokens(int64_t tokens_per_matrix) { return tokens_per_matrix >= 96 ? 128 : 64; }
+
+void gemm(const MatvecArgs & args, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
     if (max_tiles <= 0 || args.n_targets <= 0) return;
-    for_each_weight_type(args, [&](const MatvecArgs & sub) { gemm_one_type(sub, max_tiles, s); });
+    for_each_weight_type(args, [&](const MatvecArgs & sub) {
+        with_gemm_type(sub.t[0].w.type,
+                       [&](auto type) { gemm_one_type<decltype(type)::value>(sub, max_tiles, tile_tokens, s); });
+    });
 }
 
 }  // namespace dsv4::cuda

@@ -27,10 +27,10 @@ struct BlockSplit {
 // The split of a type; payload_bytes == 0 when the type keeps its file layout.
 BlockSplit block_split(GgmlType type);
 
-// IQ2_XXS's grid and signs (format/quant_tables.cpp) in device memory, copied once per backend.
+// IQ2_XXS's grid (format/quant_tables.cpp) in device memory, copied once per backend. Its sign table is not
+// needed: the eighth sign bit is the parity of the seven stored ones.
 struct Iq2Tables {
     uint64_t grid[256];  // byte e of entry k: magnitude of element e
-    uint8_t signs[128];  // the eight sign bits of each 7-bit sign index
 };
 
 struct WeightRef {
@@ -110,16 +110,17 @@ int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 
 // Tensor-core products (gemm.cu) for prefill: the same arguments as matvec (targets, groups, expert tiles, glu,
 // add; split and xq unused), weights decoded to f16 tiles, f32 accumulation. The activations come rounded to
-// f16 in x_f16 (gemm_activations: rows × x_stride values, SwiGLU of x and x_up applied); expert products plan
-// their tiles with tile_tokens = kGemmTileTokens.
-constexpr int kGemmTileTokens = 64;
+// f16 in x_f16 (gemm_activations: rows × x_stride values, SwiGLU of x and x_up applied). Tiles hold
+// tile_tokens = gemm_tile_tokens(tokens per weight matrix) tokens (expert products plan their tiles with it):
+// 128, or 64 where the tokens of a matrix (an expert's pairs on average) would leave 128-token tiles mostly empty.
+int gemm_tile_tokens(int64_t tokens_per_matrix);
 // Below this many tokens a product stays on matvec: a 64-token tile would be mostly empty.
 constexpr int kGemmMinTokens = 32;
-bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64
+bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64, tiles fit shared memory
 bool gemm_inputs_aligned(const MatvecArgs & a);
 void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, uint16_t * dst,
                       cudaStream_t s);
-void gemm(const MatvecArgs & a, int64_t max_tiles, cudaStream_t s);
+void gemm(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
 
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
