@@ -129,6 +129,7 @@ struct Bench {
 };
 
 int run_kernels(const CudaBackendOptions & options) {
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);  // whole lines: the backend's log lines on stderr fall between them
     auto backend = make_cuda_backend(options);
     Bench B{*backend, {}, std::mt19937_64{3}};
     std::printf("%s\n", backend->name().c_str());
