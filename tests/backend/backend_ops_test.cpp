@@ -295,7 +295,10 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::Q4_K, 256, 64, 33}, MatCase{GgmlType::IQ2_XXS, 512, 70, 65},
                              MatCase{GgmlType::MXFP4, 256, 70, 50}, MatCase{GgmlType::F32, 256, 96, 64},
                              MatCase{GgmlType::F16, 24, 10, 40}, MatCase{GgmlType::Q8_0, 1024, 32768, 128},
-                             MatCase{GgmlType::Q8_0, 4096, 1024, 300}, MatCase{GgmlType::IQ2_XXS, 4096, 2048, 64}));
+                             MatCase{GgmlType::Q8_0, 4096, 1024, 300}, MatCase{GgmlType::IQ2_XXS, 4096, 2048, 64},
+                             // 128-token tiles with a partial last tile, 64-row tiles (few rows)
+                             MatCase{GgmlType::IQ2_XXS, 512, 70, 200}, MatCase{GgmlType::Q2_K, 512, 200, 130},
+                             MatCase{GgmlType::Q4_K, 256, 96, 257}, MatCase{GgmlType::MXFP4, 256, 70, 140}));
 
 TEST(Ops, MatmulGroupedOutputProjection) {
     for (int64_t n : {1, 3, 20, 70}) {
@@ -526,10 +529,15 @@ TEST(Ops, OfficialRoundTrips) {
 // Hyper-connections
 // ---------------------------------------------------------------------------------------------------------------------
 TEST(Ops, HyperConnections) {
+    // n < 16: the decode kernels (a block per chunk and token); n >= 16: the prefill kernels (16-token tiles),
+    // with a partial last tile and chunks narrower than 256 values.
     for (auto [D, n, type] : {std::tuple<int64_t, int64_t, GgmlType>{4096, 1, GgmlType::F16},
                               {4096, 3, GgmlType::F16},
                               {64, 5, GgmlType::F32},
-                              {32, 2, GgmlType::BF16}}) {
+                              {32, 2, GgmlType::BF16},
+                              {4096, 40, GgmlType::F16},
+                              {64, 20, GgmlType::F32},
+                              {32, 17, GgmlType::BF16}}) {
         Store s;
         const int64_t hc = 4, mix = (2 + hc) * hc;
         const std::string tag =
@@ -851,7 +859,9 @@ TEST(Ops, LogitCandidates) {
                 in[size_t(ids.c.i32()[r * k + j])] = true;
             }
             for (int64_t i = 0; i < V && n > 0; ++i) {
-                if (!in[size_t(i)] && !std::isnan(l[size_t(r * V + i)])) ASSERT_LT(l[size_t(r * V + i)], lowest);
+                if (!in[size_t(i)] && !std::isnan(l[size_t(r * V + i)])) {
+                    ASSERT_LT(l[size_t(r * V + i)], lowest);
+                }
             }
             std::printf("logit_candidates V %ld k %ld row %ld: %ld candidates, argmax %.0f, log-sum %.6f vs %.6f\n",
                         long(V), long(k), long(r), long(n), cs[3], gs[size_t(4 * r + 1)], cs[1]);
@@ -899,12 +909,18 @@ TEST_P(Moe, MatchesCpu) {
     const double rel = compare(what + " vs cpu", out, tc ? 0.2 : 1e-2);
     Both of = s.out(GgmlType::F32, m.dim, m.n);
     cpu(false).moe(x.c, ex.c, wt.c, gate.c, up.c, down.c, 10.0f, of.c);
+    // On the tensor cores two rounded products are chained (x and the hidden rows both go to f16, and SwiGLU can
+    // amplify a hidden row's error), so the bound is twice a single product's; and the result must stay far closer
+    // to the f32 path than the CPU's own 8-bit activations are (about 20× on these shapes).
     const double rel_f32 = compare(what + " vs cpu f32 act", of.c.f32(), read_gpu(out.g),
-                                   tc                      ? kTensorCoreTol
+                                   tc                      ? 2 * kTensorCoreTol
                                    : is_float_type(m.gate) ? 1e-4
                                                            : 0.2);
     if (!is_float_type(m.gate) && !tc) {
         EXPECT_LT(rel, 0.25 * rel_f32) << "GPU further from the 8-bit CPU path than its own quantization noise";
+    }
+    if (!is_float_type(m.gate) && tc) {
+        EXPECT_LT(rel_f32, 0.125 * rel) << "tensor-core MoE not much closer to f32 than the 8-bit CPU path";
     }
 }
 
