@@ -133,6 +133,19 @@ int run_kernels(const CudaBackendOptions & options) {
     auto backend = make_cuda_backend(options);
     Bench B{*backend, {}, std::mt19937_64{3}};
     std::printf("%s\n", backend->name().c_str());
+    {
+        // hc_pre at V4's shape (4 streams of 4096, 24 mixing rows in F16): a decode step and an 8K prefill chunk.
+        const int64_t D = 4096, hc = 4, mix = (2 + hc) * hc;
+        const Tensor fn = B.weight(GgmlType::F16, hc * D, mix), scale = B.act(3), base = B.act(mix);
+        for (int64_t n : {1, 8192}) {
+            const Tensor streams = B.act(D, hc, 1, n), y = B.act(D, n), post = B.act(hc, n), comb = B.act(hc, hc, 1, n);
+            const double us =
+                B.time([&] { B.b.hc_pre(streams, fn, scale, base, 20, 1e-6f, 1e-6f, Tensor{}, y, post, comb); },
+                       n > 1 ? 5 : 50);
+            std::printf("hc_pre 4 x 4096, 24 mixing rows n=%-4ld %9.1f us  %7.1f GB/s of streams\n", n, us,
+                        double(n * hc * D * 4) / us / 1e3);
+        }
+    }
     struct Mat {
         const char * name;
         GgmlType type;

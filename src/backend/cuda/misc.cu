@@ -241,51 +241,80 @@ __global__ void hc_partial_rows_kernel(HcArgs a, int n_mix) {
     }
 }
 
-// Prefill: the chunk's mixing weights and kHcTokensPerBlock tokens' values go to shared memory once, and each
-// thread computes whole (token, mix) dot products. Throughput-bound: no shuffles (24 warp sums per element
-// spent most of a prefill's hc time in the decode kernel).
+// Prefill: the chunk's mixing weights and kHcTokensPerBlock tokens' values go to shared memory once. A warp then
+// owns four mixing rows for all 16 tokens: each lane a 4-token × 4-row tile over every eighth column of the chunk,
+// so that each value read from shared memory serves four products (one read per product before, which bound
+// the kernel), and the eight lanes of a tile add their sums by shuffles. One more warp sums the tokens' squares
+// (double). No warp diverges: every lane of a warp works on the same rows.
 constexpr int kHcTokensPerBlock = 16;
-constexpr int kHcLd = kHcChunk + 1;  // padded rows: the threads of a warp read different rows at one column
+constexpr int kHcLdX = kHcChunk + 2;  // token rows two banks apart: 4 token groups × 8 column slices hit 32 banks
+constexpr int kHcLdF = kHcChunk + 1;  // mixing rows
+
+size_t hc_tiles_smem(int n_mix) {
+    return (size_t((n_mix + 3) / 4 * 4) * kHcLdF + size_t(kHcTokensPerBlock) * kHcLdX) * sizeof(float);
+}
 
 template <FnKind K>
 __global__ void hc_partial_tiles_kernel(HcArgs a, int n_mix) {
+    static_assert(kHcTokensPerBlock == 16 && kHcChunk % 8 == 0, "the lane tiling below");
     pdl_begin();
     extern __shared__ float hc_smem[];
-    float * fn = hc_smem;                  // [n_mix][kHcLd]
-    float * xs = hc_smem + n_mix * kHcLd;  // [kHcTokensPerBlock][kHcLd]
+    const int groups = (n_mix + 3) / 4;
+    float * fn = hc_smem;                        // [groups · 4][kHcLdF], rows past n_mix zero
+    float * xs = hc_smem + groups * 4 * kHcLdF;  // [kHcTokensPerBlock][kHcLdX], tokens past the end zero
     const int64_t len = a.hc * a.width;
     const int64_t chunk = blockIdx.x, e0 = chunk * kHcChunk;
     const int width = int(min(int64_t(kHcChunk), len - e0));
     const int64_t t0 = int64_t(blockIdx.y) * kHcTokensPerBlock;
     const int n_tok = int(min(int64_t(kHcTokensPerBlock), a.n - t0));
-    for (int i = threadIdx.x; i < n_mix * kHcChunk; i += blockDim.x) {
+    for (int i = threadIdx.x; i < groups * 4 * kHcChunk; i += blockDim.x) {
         const int r = i / kHcChunk, c = i % kHcChunk;
-        fn[r * kHcLd + c] = c < width ? fn_element<K>(a.fn, r, e0 + c) : 0.0f;
+        fn[r * kHcLdF + c] = r < n_mix && c < width ? fn_element<K>(a.fn, r, e0 + c) : 0.0f;
     }
-    for (int i = threadIdx.x; i < n_tok * kHcChunk; i += blockDim.x) {
+    for (int i = threadIdx.x; i < kHcTokensPerBlock * kHcChunk; i += blockDim.x) {
         const int t = i / kHcChunk, c = i % kHcChunk;
-        xs[t * kHcLd + c] = c < width ? a.streams[(t0 + t) * len + e0 + c] : 0.0f;
+        xs[t * kHcLdX + c] = t < n_tok && c < width ? a.streams[(t0 + t) * len + e0 + c] : 0.0f;
     }
     __syncthreads();
     const int64_t rec = mix_record(n_mix);
-    for (int p = threadIdx.x; p < n_tok * (n_mix + 1); p += blockDim.x) {
-        const int t = p / (n_mix + 1), r = p % (n_mix + 1);
-        const float * x = xs + t * kHcLd;
-        float * out = a.partial + ((t0 + t) * gridDim.x + chunk) * rec;
-        // Four running sums: shorter dependency chains.
-        if (r < n_mix) {
-            const float * f = fn + r * kHcLd;
-            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int c = 0; c < kHcChunk; c += 4)
+    auto record = [&](int t) { return a.partial + ((t0 + t) * gridDim.x + chunk) * rec; };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int g = warp; g <= groups; g += kThreadsHc / 32) {
+        if (g < groups) {
+            const int tg = lane / 8, slice = lane % 8;  // tokens 4tg .. 4tg + 3, columns slice, slice + 8, ...
+            float acc[4][4] = {};
+            for (int c = slice; c < kHcChunk; c += 8) {
+                float xv[4], fv[4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) s[j] += f[c + j] * x[c + j];
-            out[2 + r] = (s[0] + s[1]) + (s[2] + s[3]);
+                for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * tg + i) * kHcLdX + c];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) fv[j] = fn[(4 * g + j) * kHcLdF + c];
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(xv[i], fv[j], acc[i][j]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int o = 1; o < 8; o <<= 1) acc[i][j] += __shfl_xor_sync(kFull, acc[i][j], o);
+            if (slice == 0)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        if (4 * tg + i < n_tok && 4 * g + j < n_mix) record(4 * tg + i)[2 + 4 * g + j] = acc[i][j];
         } else {
-            double ss[4] = {0, 0, 0, 0};
-            for (int c = 0; c < kHcChunk; c += 4)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) ss[j] += double(x[c + j]) * double(x[c + j]);
-            *reinterpret_cast<double *>(out) = (ss[0] + ss[1]) + (ss[2] + ss[3]);
+            const int t = lane / 2, half = lane % 2;  // token t, every other column
+            double ss = 0;
+            for (int c = half; c < kHcChunk; c += 2) {
+                const double v = xs[t * kHcLdX + c];
+                ss += v * v;
+            }
+            ss += __shfl_xor_sync(kFull, ss, 1);
+            if (half == 0 && t < n_tok) *reinterpret_cast<double *>(record(t)) = ss;
         }
     }
 }
@@ -724,7 +753,7 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
     const bool tiles = a.n >= kHcTokensPerBlock;
     const dim3 grid(unsigned(chunks), unsigned(tiles ? (a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock : a.n));
-    const size_t smem = tiles ? size_t(n_mix + kHcTokensPerBlock) * kHcLd * sizeof(float) : 0;
+    const size_t smem = tiles ? hc_tiles_smem(n_mix) : 0;
     auto go = [&](auto rows_kernel, auto tiles_kernel) {
         if (tiles)
             launch(tiles_kernel, grid, dim3(kThreadsHc), smem, s, a, n_mix);
