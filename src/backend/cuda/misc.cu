@@ -243,9 +243,9 @@ __global__ void hc_partial_rows_kernel(HcArgs a, int n_mix) {
 
 // Prefill: the chunk's mixing weights and kHcTokensPerBlock tokens' values go to shared memory once. A warp then
 // owns four mixing rows for all 16 tokens: each lane a 4-token × 4-row tile over every eighth column of the chunk,
-// so that each value read from shared memory serves four products (one read per product before, which bound
-// the kernel), and the eight lanes of a tile add their sums by shuffles. One more warp sums the tokens' squares
-// (double). No warp diverges: every lane of a warp works on the same rows.
+// so that each value read from shared memory serves four products (one read per product before), and the eight
+// lanes of a tile add their sums by shuffles. One more warp sums the tokens' squares (double). No warp diverges:
+// every lane of a warp works on the same rows.
 constexpr int kHcTokensPerBlock = 16;
 constexpr int kHcLdX = kHcChunk + 2;  // token rows two banks apart: 4 token groups × 8 column slices hit 32 banks
 constexpr int kHcLdF = kHcChunk + 1;  // mixing rows
