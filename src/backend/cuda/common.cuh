@@ -202,8 +202,8 @@ __device__ __forceinline__ uint16_t ld_u16(const uint8_t * p) { return *reinterp
 
 // Eight consecutive elements (row, col .. col + 7) of a weight, col a multiple of 8: every block type holds them in
 // 8 aligned payload bytes under one scale (float types: 16 bytes), so one load and one scale decode serve all
-// eight. Loading (load8) and decoding (decode8) are apart so that a tensor-core product can issue the loads of its
-// next tile before the multiply-adds of the current one and decode after them; Raw8 holds what the decode needs.
+// eight. Loading and decoding are apart: Raw8 holds what the decode needs, load8 fetches it from the weight, and
+// the tensor-core products build it from raw block bytes they copied into shared memory steps ahead (gemm.cu).
 struct Raw8 {
     uint4 q;         // payload: 8 code bytes in q.x, q.y (IQ2_XXS: grid indices, sign word); float types: all 16
     uint32_t scale;  // the block's scale bits (Q2_K, Q4_K: d | dmin << 16)
