@@ -34,15 +34,19 @@ __device__ __forceinline__ void pdl_begin() {
 
 bool pdl_enabled();
 
-// Multiprocessors of the current device (cached per device): launches size their grids by it.
-inline int device_sms() {
-    static int sms[64] = {};
+// Attribute A of the current device, read once per device: launches size their grids and tiles by them. At least
+// `floor`; `fallback` for a device number past the cache.
+template <cudaDeviceAttr A>
+int device_attribute(int fallback, int floor) {
+    static int value[64] = {};
     int dev = 0;
     cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) return 132;
-    if (sms[dev] == 0) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-    return std::max(sms[dev], 1);
+    if (dev < 0 || dev >= 64) return fallback;
+    if (value[dev] == 0) cudaDeviceGetAttribute(&value[dev], A, dev);
+    return std::max(value[dev], floor);
 }
+// Multiprocessors of the current device.
+inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&... args) {

@@ -441,12 +441,7 @@ void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
 
 // Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
 size_t device_smem_optin() {
-    static int bytes[64] = {};
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev < 0 || dev >= 64) return 48 * 1024;
-    if (bytes[dev] == 0) cudaDeviceGetAttribute(&bytes[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    return size_t(std::max(bytes[dev], 48 * 1024));
+    return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024));
 }
 constexpr size_t kStaticSmem = 4096;  // src, dst, the IQ2_XXS grid (under 3.2 KB)
 
