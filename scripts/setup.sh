@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs every Debian package dsv4 needs (apt only; idempotent) and builds Release into build/.
-#   DSV4_CUDA_ARCHITECTURES  CUDA targets (default "90;120;121"; CI uses "90")
+#   DSV4_CUDA_ARCHITECTURES  CUDA targets (default "90a;120;121"; CI uses "90a")
 #   DSV4_BUILD_DIR           build folder (default build)
 #   DSV4_SKIP_APT=1          skip the package step (already installed)
 set -euo pipefail

@@ -298,7 +298,11 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::Q8_0, 4096, 1024, 300}, MatCase{GgmlType::IQ2_XXS, 4096, 2048, 64},
                              // 128-token tiles with a partial last tile, 64-row tiles (few rows)
                              MatCase{GgmlType::IQ2_XXS, 512, 70, 200}, MatCase{GgmlType::Q2_K, 512, 200, 130},
-                             MatCase{GgmlType::Q4_K, 256, 96, 257}, MatCase{GgmlType::MXFP4, 256, 70, 140}));
+                             MatCase{GgmlType::Q4_K, 256, 96, 257}, MatCase{GgmlType::MXFP4, 256, 70, 140},
+                             // products with two waves of larger tiles (on sm_90a, wgmma): 256 rows (the last
+                             // row block partial in the Q2_K case), 128 rows
+                             MatCase{GgmlType::Q8_0, 1024, 32768, 300}, MatCase{GgmlType::F16, 1024, 8192, 1100},
+                             MatCase{GgmlType::Q2_K, 512, 5000, 1700}, MatCase{GgmlType::Q8_0, 1024, 4096, 1100}));
 
 TEST(Ops, MatmulGroupedOutputProjection) {
     for (int64_t n : {1, 3, 20, 70}) {

@@ -17,6 +17,8 @@
 // to f32 activations than the decode path is; a weight decodes to the f16 nearest its exact value.
 #include "backend/cuda/common.cuh"
 
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace dsv4::cuda {
@@ -29,7 +31,8 @@ constexpr int kLd = kBK + 8;  // halves per shared row: 144 bytes, so the 8 rows
 // Raw weight bytes of one step
 // ---------------------------------------------------------------------------------------------------------------------
 // What one weight row contributes to a 64-column step (k0 a multiple of 64), as copied into its shared-memory row
-// of raw_stride<T>() bytes: raw_pieces<T>() pieces of 16 or 4 aligned bytes.
+// of raw_stride<T>() bytes: raw_pieces<T>() pieces of 16 or 4 aligned bytes. The strides (multiples of 16 for the
+// 16-byte copies) are not multiples of 128, so that eight rows read at the same column fall on different banks.
 //   F16, BF16  128 B: the 64 values
 //   Q8_0        68 B: two blocks' payload (64 B, contiguous in the split layout), their two scales (one 4-byte word)
 //   MXFP4       36 B: two blocks' payload (32 B), the aligned scale word holding their two exponents
@@ -38,10 +41,7 @@ constexpr int kLd = kBK + 8;  // halves per shared row: 144 bytes, so the 8 rows
 //   IQ2_XXS     20 B: two 32-column groups (16 B), the aligned scale word holding the super-block's d
 template <GgmlType T>
 constexpr int raw_stride() {
-    return T == GgmlType::F16 || T == GgmlType::BF16 ? 128
-           : T == GgmlType::Q8_0                     ? 80
-           : T == GgmlType::IQ2_XXS                  ? 32
-                                                     : 48;
+    return T == GgmlType::F16 || T == GgmlType::BF16 ? 144 : T == GgmlType::Q8_0 ? 80 : 48;
 }
 template <GgmlType T>
 constexpr int raw_pieces() {
@@ -170,32 +170,52 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const 
 // ---------------------------------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------------------------------
-// A block's tile: ROWS weight rows (128, or 64 for small products and small shared memories) × BN tokens (128,
-// or 64 where tiles would be mostly empty: experts with few tokens). With SwiGLU the rows are BM = ROWS / 2 gate
-// rows then the same BM rows of up (SwiGLU applied when the tile is stored). Warps: ROWS / 32 × BN / 32, each a
-// 32-row × 32-token part; 16 warps for 128 × 128.
+// A block's tile: ROWS weight rows × BN tokens (128, or 64 where tiles would be mostly empty: experts with few
+// tokens). With SwiGLU the rows are BM = ROWS / 2 gate rows then the same BM rows of up (SwiGLU applied when the
+// tile is stored). Two ways to multiply a step's tiles (WG selects):
+//   mma.sync (every architecture), ROWS 128 or 64: warps of 32 rows × 32 tokens, ROWS / 32 × BN / 32 of them
+//     (16 for 128 × 128), operands loaded into registers by ldmatrix from rows padded to kLd halves;
+//   wgmma (sm_90a), ROWS 256 or 128: four warpgroups (512 threads), warpgroup g on row block g % (ROWS / 64) (64
+//     rows) and all BN tokens, over its share of each step's four 16-column slices (all four for 256 rows; two
+//     for 128, the two shares summed when the tile is stored). Both operands are read from shared memory
+//     asynchronously, so the decode of the next step runs while the tensor cores work, and without ldmatrix
+//     copies. 256 rows halve the activation bytes per multiply-add of 128-row tiles: what the copies into shared
+//     memory move per step (weights 20 B a row for IQ2_XXS, 68 for Q8_0; activations 128 B a token) bounds these
+//     tiles once the multiply-adds are asynchronous.
 template <bool GLU, int ROWS>
 constexpr int gemm_bm() {
     return GLU ? ROWS / 2 : ROWS;
 }
-template <int ROWS, int BN>
+template <int ROWS, int BN, bool WG>
 constexpr int gemm_threads() {
-    return ROWS / 32 * (BN / 32) * 32;
+    return WG ? 512 : ROWS / 32 * (BN / 32) * 32;
+}
+// Halves per weight or activation row of a decoded tile: padded for ldmatrix, packed for wgmma.
+template <bool WG>
+constexpr int tile_ld() {
+    return WG ? kBK : kLd;
+}
+// Where the 8 halves at row r, columns c .. c + 7 (c a multiple of 8) of a decoded tile go, in halves. wgmma reads
+// its operands in the no-swizzle canonical layout: 8 × 8 "core matrices" of 128 contiguous bytes (8 rows of 16),
+// core (r / 8, c / 8) at ((r / 8) · 8 + c / 8) · 128 bytes.
+template <bool WG>
+__device__ __forceinline__ int tile_at(int r, int c) {
+    return WG ? ((r / 8) * (kBK / 8) + c / 8) * 64 + (r % 8) * 8 : r * kLd + c;
 }
 
-// Dynamic shared memory, bytes: during the K loop the ring (per slot: raw weight rows, activations [BN][kLd]
-// f16) and two decoded weight tiles [ROWS][kLd] (f16); after it, the output tile [BN][ROWS + 4] (f32). The ring
-// has 4 slots (loads run three steps ahead) when 16 warps per multiprocessor still fit in sm_90's 227 KB, else 3.
-template <GgmlType T, int ROWS, int BN>
+// Dynamic shared memory, bytes: during the K loop the ring (per slot: raw weight rows, activations [BN][64] f16)
+// and two decoded weight tiles [ROWS][64] (f16); after it, the output tile [BN][ROWS + 4] (f32). The ring has 4
+// slots (loads run three steps ahead) when 16 warps per multiprocessor still fit in sm_90's 227 KB, else 3.
+template <GgmlType T, int ROWS, int BN, bool WG>
 struct GemmSmem {
     static constexpr int raw = ROWS * raw_stride<T>();
-    static constexpr int slot = raw + BN * kLd * 2;
-    static constexpr int tile = ROWS * kLd * 2;
+    static constexpr int slot = raw + BN * tile_ld<WG>() * 2;
+    static constexpr int tile = ROWS * tile_ld<WG>() * 2;
     static constexpr int out = BN * (ROWS + 4) * 4;
     static constexpr int bytes_for(int stages) {
         return stages * slot + 2 * tile > out ? stages * slot + 2 * tile : out;
     }
-    static constexpr int stages = bytes_for(4) * (512 / gemm_threads<ROWS, BN>()) <= 220 * 1024 ? 4 : 3;
+    static constexpr int stages = bytes_for(4) * (512 / gemm_threads<ROWS, BN, WG>()) <= 220 * 1024 ? 4 : 3;
     static constexpr size_t bytes = size_t(bytes_for(stages));
 };
 
@@ -231,17 +251,83 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// wgmma (sm_90a only; elsewhere these trap, and gemm() never picks the path there).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSV4_WGMMA 1
+#endif
+// Shared-memory matrix descriptor of a K-major operand in tile_at<true>'s layout: start address, the distance
+// between core matrices along K (128 bytes) and between 8-row groups (kBK / 8 · 128 bytes), no swizzle.
+__device__ __forceinline__ uint64_t wgmma_desc(const half * p) {
+    return uint64_t((smem_addr(p) & 0x3FFFF) >> 4) | uint64_t(128 >> 4) << 16 | uint64_t(kBK / 8 * 128 >> 4) << 32;
+}
+// Makes this thread's shared-memory writes (stores and arrived cp.async bytes) visible to wgmma's operand reads.
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef DSV4_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef DSV4_WGMMA
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef DSV4_WGMMA
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int pending>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef DSV4_WGMMA
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(pending) : "memory");
+#endif
+}
+#define DSV4_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define DSV4_ACC16(i) DSV4_ACC4(i), DSV4_ACC4(i + 4), DSV4_ACC4(i + 8), DSV4_ACC4(i + 12)
+// d (64 rows × N tokens, f32, the mma accumulator layout per warp) += a (64 × 16) · b (N × 16)ᵀ, both f16 and
+// K-major in shared memory. Issued asynchronously: d must not be touched before wgmma_wait.
+template <int N>
+__device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], uint64_t a, uint64_t b) {
+#ifdef DSV4_WGMMA
+    if constexpr (N == 128) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+            "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+            "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+            "%62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : DSV4_ACC16(0), DSV4_ACC16(16), DSV4_ACC16(32), DSV4_ACC16(48)
+            : "l"(a), "l"(b), "r"(1));
+    } else {
+        static_assert(N == 64);
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+            "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : DSV4_ACC16(0), DSV4_ACC16(16)
+            : "l"(a), "l"(b), "r"(1));
+    }
+#else
+    __trap();
+#endif
+}
+#undef DSV4_ACC16
+#undef DSV4_ACC4
+
 // Registers: at most 128 per thread (512 / threads blocks per multiprocessor), so that 16 warps fit.
-template <GgmlType T, bool GLU, int ROWS, int BN>
-__global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<ROWS, BN>())
+template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
+__global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threads<ROWS, BN, WG>())
     gemm_kernel(const MatvecArgs a) {
-    using Smem = GemmSmem<T, ROWS, BN>;
-    constexpr int BM = gemm_bm<GLU, ROWS>(), kThreads = gemm_threads<ROWS, BN>(), kLdOut = ROWS + 4;
+    using Smem = GemmSmem<T, ROWS, BN, WG>;
+    constexpr int BM = gemm_bm<GLU, ROWS>(), kThreads = gemm_threads<ROWS, BN, WG>(), kLdOut = ROWS + 4;
     constexpr int kStride = raw_stride<T>(), kPieces = raw_pieces<T>(), kStages = Smem::stages;
+    constexpr int kTile = ROWS * tile_ld<WG>();                              // halves per decoded tile
     constexpr int kGroups = ROWS * (kBK / 8) / kThreads;                     // weight groups of 8 a thread decodes
     constexpr int kPieceTasks = (ROWS * kPieces + kThreads - 1) / kThreads;  // raw pieces a thread copies
     constexpr int kTokenTasks = BN * (kBK / 8) / kThreads;                   // 16-byte activation pieces
-    extern __shared__ __align__(128) uint8_t smem[];  // ring [kStages][Smem::slot], tiles [2][ROWS][kLd]
+    extern __shared__ __align__(128) uint8_t smem[];  // ring [kStages][Smem::slot], tiles [2][kTile]
     __shared__ int64_t src[BN], dst[BN];
     __shared__ int n_tok_shared;
     __shared__ uint64_t iq2_grid[T == GgmlType::IQ2_XXS ? 256 : 1];
@@ -285,6 +371,12 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<R
         if (GLU && r >= BM) w.data = t.w_up.data;
         return w;
     };
+    // 16-byte piece g of a step's activations: token g / 8, columns (g % 8) · 8 for mma.sync; for wgmma eight
+    // consecutive pieces are one column group of eight tokens (one core matrix: its stores hit distinct banks).
+    auto token_piece = [](int g, int & i, int & c) {
+        i = WG ? (g / 64) * 8 + g % 8 : g / (kBK / 8);
+        c = WG ? (g / 8) % 8 * 8 : g % (kBK / 8) * 8;
+    };
     // This thread's copies, the same every step: raw pieces (tile row, piece; row -1: none) and activation pieces
     // (their source at k0 = 0; null: a token past the tile's end, zero-filled).
     int piece_row[kPieceTasks], piece_of[kPieceTasks];
@@ -297,8 +389,9 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<R
     const uint16_t * token_src[kTokenTasks];
 #pragma unroll
     for (int j = 0; j < kTokenTasks; ++j) {
-        const int g = int(threadIdx.x) + j * kThreads, i = g / (kBK / 8);
-        token_src[j] = i < n_tok ? a.x_f16 + src[i] * a.x_stride + group * k + (g % (kBK / 8)) * 8 : nullptr;
+        int i, c;
+        token_piece(int(threadIdx.x) + j * kThreads, i, c);
+        token_src[j] = i < n_tok ? a.x_f16 + src[i] * a.x_stride + group * k + c : nullptr;
     }
     // One commit group per step: the raw bytes of the tile's rows and the tokens' activations into ring slot
     // step % kStages. Steps past the end commit an empty group, so that the wait counts stay uniform.
@@ -319,54 +412,91 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<R
             half * xs = reinterpret_cast<half *>(slot + Smem::raw);
 #pragma unroll
             for (int j = 0; j < kTokenTasks; ++j) {
-                const int g = int(threadIdx.x) + j * kThreads;
-                cp_async16(xs + (g / (kBK / 8)) * kLd + (g % (kBK / 8)) * 8,
-                           token_src[j] ? token_src[j] + k0 : nullptr);
+                int i, c;
+                token_piece(int(threadIdx.x) + j * kThreads, i, c);
+                cp_async16(xs + tile_at<WG>(i, c), token_src[j] ? token_src[j] + k0 : nullptr);
             }
         }
         cp_async_commit();
     };
-    // The raw bytes of a step (arrived, and visible to the block) decoded to f16 into tile step % 2: this
-    // thread's groups are tile rows threadIdx.x / 8 + i · (kThreads / 8), columns c8 .. c8 + 7.
-    const int c8 = (threadIdx.x % 8) * 8;
+    // The raw bytes of a step (arrived, and visible to the block) decoded to f16 into tile step % 2. This
+    // thread's groups: mma.sync, tile rows threadIdx.x / 8 + i · (kThreads / 8), columns c8 .. c8 + 7 (a warp
+    // reads rows whole); wgmma, rows threadIdx.x % 8 + 8 · (threadIdx.x / 64 + 8i) (a warp's stores fill core
+    // matrices whole).
+    const int c8 = WG ? (threadIdx.x / 8) % 8 * 8 : (threadIdx.x % 8) * 8;
     auto decode_step = [&](int64_t step) {
         const uint8_t * slot = smem + (step % kStages) * Smem::slot;
-        half * ws = tiles + (step % 2) * ROWS * kLd;
+        half * ws = tiles + (step % 2) * kTile;
         const int64_t k0 = step * kBK;
+        auto row_of = [&](int i) {
+            return WG ? int(threadIdx.x) % 8 + 8 * (int(threadIdx.x) / 64 + 8 * i)
+                      : int(threadIdx.x) / 8 + i * (kThreads / 8);
+        };
+        // Two groups decoded before either is stored: the compiler cannot tell the tile's stores from the ring's
+        // loads, so a store between them would serialize the groups' load latencies (and four at once spill).
+        constexpr int kBatch = kGroups < 2 ? kGroups : 2;
 #pragma unroll
-        for (int i = 0; i < kGroups; ++i) {
-            const int r = int(threadIdx.x) / 8 + i * (kThreads / 8);
-            uint4 h = make_uint4(0, 0, 0, 0);
-            if (row0 + r % BM < t.rows)
-                h = raw8_to_f16<T>(raw8_from_tile<T>(slot + r * kStride, weight_of(r), row_off + row0 + r % BM, k0, c8),
-                                   k0 + c8, iq2_grid);
-            *reinterpret_cast<uint4 *>(ws + r * kLd + c8) = h;
+        for (int i0 = 0; i0 < kGroups; i0 += kBatch) {
+            uint4 h[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+                const int r = row_of(i0 + i);
+                h[i] = make_uint4(0, 0, 0, 0);
+                if (row0 + r % BM < t.rows)
+                    h[i] = raw8_to_f16<T>(
+                        raw8_from_tile<T>(slot + r * kStride, weight_of(r), row_off + row0 + r % BM, k0, c8), k0 + c8,
+                        iq2_grid);
+            }
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) *reinterpret_cast<uint4 *>(ws + tile_at<WG>(row_of(i0 + i), c8)) = h[i];
         }
     };
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int wr = (warp / (BN / 32)) * 32, wc = (warp % (BN / 32)) * 32;  // the warp's rows and tokens
+    // wgmma: warpgroup g takes rows 64 · rb .. + 63 and this step's 16-column slices ks · kSub .. + kSub - 1.
+    static_assert(!WG || ROWS == 128 || ROWS == 256, "wgmma tiles: 64 rows per warpgroup, at most two K shares");
+    constexpr int kRowBlocks = ROWS / 64, kSplit = WG ? 4 / kRowBlocks : 1, kSub = 4 / kSplit;
+    const int rb = (warp / 4) % kRowBlocks, ks = (warp / 4) / kRowBlocks;
+    // mma.sync: the warp's 32 rows and 32 tokens.
+    const int wr = (warp / (BN / 32)) * 32, wc = (warp % (BN / 32)) * 32;
     const bool warp_has_tokens = wc < n_tok;  // a partial tile's empty token columns skip the multiply-adds
-    // acc[i][j]: rows wr + 16i .. +15, tokens wc + 8j .. +7, in mma.sync's accumulator layout.
-    float acc[2][4][4] = {};
+    // wgmma accumulators: rows 64 rb + 16 (warp % 4) + lane / 4 (+ 8), tokens 8j + 2 (lane % 4) (+ 1).
+    float acc_wg[WG ? BN / 2 : 1] = {};
+    // mma.sync accumulators [i][j]: rows wr + 16i .. +15, tokens wc + 8j .. +7, in mma.sync's accumulator layout.
+    float acc[WG ? 1 : 2][4][4] = {};
 
     for (int s = 0; s < kStages - 1; ++s) load_step(s);
     cp_async_wait<kStages - 2>();
     __syncthreads();
     decode_step(0);
     for (int64_t s = 0; s < steps; ++s) {
-        // Step s + 1 has arrived for every thread, tile s % 2 is decoded, and step s - 1 is finished everywhere
-        // (its ring slot and tile may be overwritten).
+        // Step s + 1 has arrived for every thread, tile s % 2 is decoded and visible (wgmma: to the async proxy
+        // too), and step s - 1 is finished everywhere (wgmma: each warpgroup waited for its own products), so its
+        // ring slot and tile may be overwritten.
         cp_async_wait<kStages - 3>();
+        if constexpr (WG) {
+            wgmma_wait<0>();
+            fence_proxy_async();
+        }
         __syncthreads();
         load_step(s + kStages - 1);
-        const half * ws = tiles + (s % 2) * ROWS * kLd;
+        const half * ws = tiles + (s % 2) * kTile;
         const half * xs = reinterpret_cast<const half *>(smem + (s % kStages) * Smem::slot + Smem::raw);
-        if (warp_has_tokens) {
+        if constexpr (WG) {
+            wgmma_fence();
+#pragma unroll
+            for (int sub = 0; sub < kSub; ++sub) {
+                // A 16-column slice: two core matrices along K. (ks, 0 for 256 rows, is left out of the index
+                // there: otherwise ptxas serializes the wgmma, C7515.)
+                const int kk = ((kSplit == 1 ? 0 : ks * kSub) + sub) * 16;
+                wgmma_f16<BN>(acc_wg, wgmma_desc(ws + rb * 64 * kBK + kk * 8), wgmma_desc(xs + kk * 8));
+            }
+            wgmma_commit();
+        } else if (warp_has_tokens) {
 #pragma unroll
             for (int kk = 0; kk < kBK; kk += 16) {
-                // Activations [token][k] are the column-major K × N operand: matrices (tokens 0-7, k 0-7), (0-7,
-                // 8-15), (8-15, 0-7), (8-15, 8-15) of each 16-token half.
+                // Activations [token][k] are the column-major K × N operand: matrices (tokens 0-7, k 0-7),
+                // (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) of each 16-token half.
                 uint32_t b[2][4];
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
@@ -374,8 +504,8 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<R
                         b[j], xs + (wc + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * kLd + kk + ((lane >> 3) & 1) * 8);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    // Weights are row-major [row][k]: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15,
-                    // 8-15).
+                    // Weights are row-major [row][k]: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+                    // (8-15, 8-15).
                     uint32_t af[4];
                     ldmatrix_x4(af, ws + (wr + 16 * i + (lane & 15)) * kLd + kk + (lane >> 4) * 8);
 #pragma unroll
@@ -386,19 +516,36 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN>(), 512 / gemm_threads<R
         }
         if (s + 1 < steps) decode_step(s + 1);
     }
+    if constexpr (WG) wgmma_wait<0>();
     cp_async_wait<0>();
     __syncthreads();
 
-    // The tile staged as [token][row] so that consecutive threads store consecutive output rows of a token.
+    // The tile staged as [token][row] so that consecutive threads store consecutive output rows of a token; wgmma's
+    // K shares summed in a fixed order (the same result every run).
+    if constexpr (WG) {
+        for (int round = 0; round < kSplit; ++round) {
+            if (ks == round)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+                for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+                    for (int e = 0; e < 4; ++e) {
+                        float & o = out[(8 * j + 2 * (lane % 4) + (e & 1)) * kLdOut + 64 * rb + 16 * (warp % 4) +
+                                        lane / 4 + (e >= 2 ? 8 : 0)];
+                        o = round == 0 ? acc_wg[4 * j + e] : o + acc_wg[4 * j + e];
+                    }
+            __syncthreads();
+        }
+    } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                out[(wc + 8 * j + 2 * (lane % 4) + (e & 1)) * kLdOut + wr + 16 * i + lane / 4 + (e >= 2 ? 8 : 0)] =
-                    acc[i][j][e];
-    __syncthreads();
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    out[(wc + 8 * j + 2 * (lane % 4) + (e & 1)) * kLdOut + wr + 16 * i + lane / 4 + (e >= 2 ? 8 : 0)] =
+                        acc[i][j][e];
+        __syncthreads();
+    }
     const int64_t ycol = group * t.rows;
     for (int idx = threadIdx.x; idx < BN * BM; idx += kThreads) {
         const int i = idx / BM, r = idx % BM;
@@ -430,13 +577,14 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
 }
 
-template <GgmlType T, bool GLU, int ROWS, int BN>
+template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
 void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
-    launch(gemm_kernel<T, GLU, ROWS, BN>, grid, dim3(gemm_threads<ROWS, BN>()), GemmSmem<T, ROWS, BN>::bytes, s, a);
+    launch(gemm_kernel<T, GLU, ROWS, BN, WG>, grid, dim3(gemm_threads<ROWS, BN, WG>()),
+           GemmSmem<T, ROWS, BN, WG>::bytes, s, a);
 }
-template <GgmlType T, int ROWS, int BN>
+template <GgmlType T, int ROWS, int BN, bool WG>
 void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
-    a.glu ? launch_gemm<T, true, ROWS, BN>(a, grid, s) : launch_gemm<T, false, ROWS, BN>(a, grid, s);
+    a.glu ? launch_gemm<T, true, ROWS, BN, WG>(a, grid, s) : launch_gemm<T, false, ROWS, BN, WG>(a, grid, s);
 }
 
 // Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
@@ -445,24 +593,41 @@ size_t device_smem_optin() {
 }
 constexpr size_t kStaticSmem = 4096;  // src, dst, the IQ2_XXS grid (under 3.2 KB)
 
+// The wgmma tiles run where the build has sm_90a code (DSV4_CUDA_SM90A, set by CMake when DSV4_CUDA_ARCHITECTURES
+// names 90a) and the device is compute capability 9.0. DSV4_CUDA_WGMMA=0 keeps the mma.sync tiles there too: the
+// tests run both, and A/B runs compare them.
+bool use_wgmma() {
+#ifdef DSV4_CUDA_SM90A
+    static const bool allowed = [] {
+        const char * e = std::getenv("DSV4_CUDA_WGMMA");
+        return !e || std::strcmp(e, "0") != 0;
+    }();
+    return allowed && device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) == 9 &&
+           device_attribute<cudaDevAttrComputeCapabilityMinor>(0, 0) == 0;
+#else
+    return false;
+#endif
+}
+
 // Whether the small tiles of type T fit the device.
 template <GgmlType T>
 bool gemm_fits() {
-    return std::max(GemmSmem<T, 64, 64>::bytes, GemmSmem<T, 64, 128>::bytes) + kStaticSmem <= device_smem_optin();
+    return std::max(GemmSmem<T, 64, 64, false>::bytes, GemmSmem<T, 64, 128, false>::bytes) + kStaticSmem <=
+           device_smem_optin();
 }
 
-// One launch over targets of one weight type. 128-row tiles read each activation tile half as often; 64-row
-// tiles when 128 would leave the GPU with fewer than two waves (small products) or would not fit its shared
-// memory.
-template <GgmlType T>
-void gemm_one_type(MatvecArgs a, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
-    int64_t rows = 0;
-    for (int i = 0; i < a.n_targets; ++i) rows += a.t[i].rows;
-    const int64_t bm128 = a.glu ? 64 : 128;
-    const size_t smem128 = tile_tokens == 128 ? GemmSmem<T, 128, 128>::bytes : GemmSmem<T, 128, 64>::bytes;
-    const bool big = rows / bm128 * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
-                     smem128 + kStaticSmem <= device_smem_optin();
-    const int64_t bm = big ? bm128 : bm128 / 2;
+// Whether ROWS-row tiles give the GPU at least two waves of blocks and fit its shared memory.
+template <GgmlType T, int ROWS, bool WG>
+bool tiles_fit(const MatvecArgs & a, int64_t rows, int64_t max_tiles, int tile_tokens) {
+    const size_t smem = tile_tokens == 128 ? GemmSmem<T, ROWS, 128, WG>::bytes : GemmSmem<T, ROWS, 64, WG>::bytes;
+    const int64_t bm = a.glu ? ROWS / 2 : ROWS;
+    return rows / bm * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
+           smem + kStaticSmem <= device_smem_optin();
+}
+
+template <GgmlType T, int ROWS, bool WG>
+void launch_tiles(MatvecArgs a, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
+    const int64_t bm = a.glu ? ROWS / 2 : ROWS;
     int first = 0;
     for (int i = 0; i < a.n_targets; ++i) {
         a.t[i].first_block = first;
@@ -470,10 +635,25 @@ void gemm_one_type(MatvecArgs a, int64_t max_tiles, int tile_tokens, cudaStream_
         first += a.t[i].blocks;
     }
     const dim3 grid(unsigned(first), unsigned(max_tiles), unsigned(a.groups));
-    if (tile_tokens == 128)
-        big ? launch_gemm<T, 128, 128>(a, grid, s) : launch_gemm<T, 64, 128>(a, grid, s);
+    tile_tokens == 128 ? launch_gemm<T, ROWS, 128, WG>(a, grid, s) : launch_gemm<T, ROWS, 64, WG>(a, grid, s);
+}
+
+// One launch over targets of one weight type, on the largest row tiles that keep two waves of blocks: each
+// activation tile is then read the fewest times (the activations' bytes, f16, outweigh the weights' in every
+// step). wgmma tiles have 256 or 128 rows; below that, 64-row mma.sync tiles (small products, and the 99 KB
+// shared memories of sm_120/121), which beat 64-row wgmma tiles of 512 threads.
+template <GgmlType T>
+void gemm_one_type(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, bool wgmma, cudaStream_t s) {
+    int64_t rows = 0;
+    for (int i = 0; i < a.n_targets; ++i) rows += a.t[i].rows;
+    if (wgmma && tiles_fit<T, 256, true>(a, rows, max_tiles, tile_tokens))
+        launch_tiles<T, 256, true>(a, max_tiles, tile_tokens, s);
+    else if (wgmma && tiles_fit<T, 128, true>(a, rows, max_tiles, tile_tokens))
+        launch_tiles<T, 128, true>(a, max_tiles, tile_tokens, s);
+    else if (tiles_fit<T, 128, false>(a, rows, max_tiles, tile_tokens))
+        launch_tiles<T, 128, false>(a, max_tiles, tile_tokens, s);
     else
-        big ? launch_gemm<T, 128, 64>(a, grid, s) : launch_gemm<T, 64, 64>(a, grid, s);
+        launch_tiles<T, 64, false>(a, max_tiles, tile_tokens, s);
 }
 
 // Calls fn(std::integral_constant<GgmlType, T>) for the gemm types T (returns false for the others).
@@ -524,9 +704,10 @@ int gemm_tile_tokens(int64_t tokens_per_matrix) { return tokens_per_matrix >= 96
 
 void gemm(const MatvecArgs & args, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
     if (max_tiles <= 0 || args.n_targets <= 0) return;
+    const bool wgmma = use_wgmma();
     for_each_weight_type(args, [&](const MatvecArgs & sub) {
         with_gemm_type(sub.t[0].w.type,
-                       [&](auto type) { gemm_one_type<decltype(type)::value>(sub, max_tiles, tile_tokens, s); });
+                       [&](auto type) { gemm_one_type<decltype(type)::value>(sub, max_tiles, tile_tokens, wgmma, s); });
     });
 }
 
