@@ -680,13 +680,24 @@ std::vector<double> index_scores(const std::vector<float> & q, const std::vector
 }
 
 TEST(Ops, IndexerSelect) {
-    for (bool ties : {false, true}) {
+    // A few decode-size tokens (scores per key in f32), then a prefill chunk (scores on the tensor cores where
+    // the backend has them: f16 queries and keys, so the inputs are f16 values here and only the order of the f32
+    // sums differs from the CPU's); partial key tiles, tokens below and above top_k visible rows.
+    for (int c = 0; c < 4; ++c) {
+        const bool prefill = c >= 2, ties = c % 2 == 1;
         Store s;
-        const int64_t H = 64, d = 128, cap = 700, R = 4, K = 512;
-        const std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
+        const int64_t H = 64, d = 128, cap = prefill ? 1100 : 700, R = 4, K = 512;
+        std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
+        if (prefill) {
+            pos.clear();
+            for (int t = 0; t < 41; ++t) pos.push_back(1000 + 85 * t);
+        }
         const int64_t n = int64_t(pos.size());
-        const std::vector<float> q = randn(size_t(n * H * d)), w = randn(size_t(n * H));
+        std::vector<float> q = randn(size_t(n * H * d)), w = randn(size_t(n * H));
         std::vector<float> keys = randn(size_t(cap * d));
+        if (prefill)
+            for (std::vector<float> * v : {&q, &keys})
+                for (float & x : *v) x = round_f16(x);
         if (ties)
             for (int64_t r = 1; r < cap; ++r) std::copy_n(keys.begin(), d, keys.begin() + r * d);
         const Both bq = s.values(q, d, H, 1, n), bw = s.values(w, H, n), bk = s.values(keys, d, cap);
@@ -737,8 +748,8 @@ TEST(Ops, IndexerSelect) {
                 EXPECT_TRUE(diff.empty()) << "ties must go to the lower rows";
             }
         }
-        std::printf("  indexer_select %s: %ld of %ld selections differ from the CPU's (near ties)\n",
-                    ties ? "all-equal keys" : "random", differ, n * K);
+        std::printf("  indexer_select %s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
+                    prefill ? "prefill, " : "", ties ? "all-equal keys" : "random", differ, n * K);
         EXPECT_LE(differ, 4);
     }
 }

@@ -228,6 +228,91 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     }
 }
 
+// Prefill chunks on the tensor cores: a block takes kIdxTcTokens tokens' 64 heads (128 query rows, f16, resident in
+// shared memory) and walks the visible keys in tiles of 64 rows converted to f16; 8 warps, each 16 query rows × the
+// tile's 64 keys (WMMA, f32 accumulators), staged in shared memory for relu, the head weights and the sum over heads
+// of each (token, key). The per-key kernel above does the 128 × 64 products of a (token, key) in f32 on the CUDA
+// cores (12 ms for an 8K chunk over 2K rows); these tiles do them in about a tenth. Numerics: queries and keys
+// rounded to f16 (the official numerics' FP4-rounded values are exact there), products and sums in f32.
+constexpr int kIdxTcTokens = 2, kIdxTcRows = kIdxTcTokens * kIdxFastHeads, kIdxTcKeys = 64;
+constexpr int kIdxTcLd = kIdxFastDim + 8, kIdxTcLdS = kIdxTcKeys + 4;  // padded rows (halves, floats)
+constexpr size_t kIdxTcSmem = size_t(kIdxTcRows + kIdxTcKeys) * kIdxTcLd * 2 + size_t(kIdxTcRows) * kIdxTcLdS * 4;
+
+// Four f32 values as f16 at dst (8-byte aligned).
+__device__ __forceinline__ void store_f16x4(half * dst, float4 v) {
+    reinterpret_cast<half2 *>(dst)[0] = __floats2half2_rn(v.x, v.y);
+    reinterpret_cast<half2 *>(dst)[1] = __floats2half2_rn(v.z, v.w);
+}
+
+__global__ void __launch_bounds__(256) indexer_scores_tc_kernel(const IndexerArgs a) {
+    using namespace nvcuda;
+    pdl_begin();
+    extern __shared__ __align__(128) uint8_t smem_idx_tc[];
+    half * qs = reinterpret_cast<half *>(smem_idx_tc);                   // [token · 64 + head][kIdxTcLd]
+    half * ks = qs + kIdxTcRows * kIdxTcLd;                              // [key][kIdxTcLd]
+    float * ss = reinterpret_cast<float *>(ks + kIdxTcKeys * kIdxTcLd);  // [token · 64 + head][kIdxTcLdS]
+    __shared__ float ws[kIdxTcRows];
+    __shared__ int64_t scored[kIdxTcTokens];  // visible rows of a token that has more than top_k, else 0
+    const int64_t t0 = int64_t(blockIdx.x) * kIdxTcTokens;
+    if (threadIdx.x < kIdxTcTokens) {
+        const int64_t t = t0 + threadIdx.x;
+        const int64_t visible = t < a.n ? min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity) : 0;
+        scored[threadIdx.x] = visible > a.top_k ? visible : 0;
+    }
+    for (int i = threadIdx.x; i < kIdxTcRows * kIdxFastDim / 4; i += blockDim.x) {
+        const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
+        const bool in = t0 + r / kIdxFastHeads < a.n;
+        store_f16x4(qs + r * kIdxTcLd + c,
+                    in ? *reinterpret_cast<const float4 *>(a.q + (t0 * kIdxFastHeads + r) * kIdxFastDim + c)
+                       : make_float4(0, 0, 0, 0));
+    }
+    for (int i = threadIdx.x; i < kIdxTcRows; i += blockDim.x)
+        ws[i] = t0 + i / kIdxFastHeads < a.n ? a.w[t0 * kIdxFastHeads + i] : 0.0f;
+    __syncthreads();
+    int64_t keys = 0;
+#pragma unroll
+    for (int i = 0; i < kIdxTcTokens; ++i) keys = max(keys, scored[i]);
+    const int warp = threadIdx.x / 32;
+    for (int64_t key0 = 0; key0 < keys; key0 += kIdxTcKeys) {
+        for (int i = threadIdx.x; i < kIdxTcKeys * kIdxFastDim / 4; i += blockDim.x) {
+            const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
+            store_f16x4(ks + r * kIdxTcLd + c,
+                        key0 + r < keys ? __ldg(reinterpret_cast<const float4 *>(a.keys + (key0 + r) * kIdxFastDim + c))
+                                        : make_float4(0, 0, 0, 0));
+        }
+        __syncthreads();
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kIdxTcKeys / 16];
+#pragma unroll
+        for (int j = 0; j < kIdxTcKeys / 16; ++j) wmma::fill_fragment(acc[j], 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < kIdxFastDim; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
+            wmma::load_matrix_sync(qf, qs + warp * 16 * kIdxTcLd + kk, kIdxTcLd);
+#pragma unroll
+            for (int j = 0; j < kIdxTcKeys / 16; ++j) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, ks + j * 16 * kIdxTcLd + kk, kIdxTcLd);
+                wmma::mma_sync(acc[j], qf, kf, acc[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kIdxTcKeys / 16; ++j)
+            wmma::store_matrix_sync(ss + warp * 16 * kIdxTcLdS + j * 16, acc[j], kIdxTcLdS, wmma::mem_row_major);
+        __syncthreads();
+        // Thread pair (2o, 2o + 1): token o / 64, key o % 64, the even and the odd heads (rows one apart: no bank
+        // conflict between the pair).
+        const int o = threadIdx.x / 2, odd = threadIdx.x % 2, tok = o / kIdxTcKeys, key = o % kIdxTcKeys;
+        float sum = 0.0f;
+        for (int h = odd; h < kIdxFastHeads; h += 2) {
+            const int row = tok * kIdxFastHeads + h;
+            sum += ws[row] * fmaxf(0.0f, ss[row * kIdxTcLdS + key]);
+        }
+        sum += __shfl_xor_sync(kFull, sum, 1);
+        if (!odd && key0 + key < scored[tok]) a.scores[(t0 + tok) * a.capacity + key0 + key] = sum * a.key_scale;
+        __syncthreads();  // the next tile overwrites ks and ss
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Indexer top-k
 // ---------------------------------------------------------------------------------------------------------------------
@@ -690,7 +775,12 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
-    if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim)
+    static_assert(kIdxTcTokens * kIdxTcKeys == 128, "a thread pair per (token, key) of 256 threads");
+    if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim && a.tensor_cores &&
+        a.n >= kGemmMinTokens)
+        launch(indexer_scores_tc_kernel, dim3(unsigned((a.n + kIdxTcTokens - 1) / kIdxTcTokens)), dim3(256), kIdxTcSmem,
+               s, a);
+    else if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim)
         launch(indexer_scores_h64_kernel, grid, dim3(256), 0, s, a);
     else if (a.capacity > a.top_k)
         launch(indexer_scores_kernel, grid, dim3(256), smem, s, a);

@@ -417,6 +417,7 @@ class CudaBackend final : public Backend {
         a.ratio = ratio;
         a.top_k = selected.ne[0];
         a.key_scale = key_scale;
+        a.tensor_cores = tensor_cores_;
         DSV4_CHECK(a.dim % 4 == 0, "cuda indexer_select: key width {} is not a multiple of 4", a.dim);
         const int64_t n = q.rows() / a.heads;
         // Scores of a group of tokens over every stored row; groups bound the scratch at long contexts.

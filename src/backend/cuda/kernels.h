@@ -229,6 +229,7 @@ struct IndexerArgs {
     float key_scale = 0;
     int32_t * selected = nullptr;  // [n, top_k]
     float * scores = nullptr;      // scratch [n, capacity]
+    bool tensor_cores = false;     // prefill chunks score on the tensor cores (f16 queries and keys)
 };
 void indexer_select(const IndexerArgs & a, cudaStream_t s);
 
