@@ -157,6 +157,18 @@ int main(int argc, char ** argv) {
         std::fprintf(stderr, "%s: %s, %.2f GB read per decoded token\n", info.path.c_str(), info.backend.c_str(),
                      token_bytes / 1e9);
 
+        // The process's first prefill and decode pay one-time costs (GPU kernels load at their first launch,
+        // scratch grows to the chunk's size); an untimed pass over the first frontier takes them, as llama-bench's
+        // warm-up run does.
+        {
+            Timer t;
+            auto s = engine->new_session(frontiers.front() + 4);
+            s->eval(std::span<const int32_t>(ids).first(size_t(frontiers.front())));
+            decode(*s, 2);
+            std::fprintf(stderr, "  warm-up: %ld-token prefill and 2 tokens in %.2f s (not counted)\n",
+                         long(frontiers.front()), t.seconds());
+        }
+
         // Prefill intervals and decode at each frontier.
         std::map<int64_t, Sample> prefill_s, decode_s;
         for (int r = 0; r < repeat; ++r) {
