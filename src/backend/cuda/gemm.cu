@@ -1,20 +1,21 @@
 // Tensor-core products for many tokens (prefill): the same MatvecArgs as matvec.cu (several targets, grouped
-// projections, expert tiles, SwiGLU of gate and up, a SwiGLU activation, an addend), computed tile by tile with
-// mma.sync (m16n8k16, f16 inputs, f32 accumulators). The activations are rounded to f16 once, by
-// gemm_activations (with their SwiGLU when x_up is given).
+// projections, expert tiles, SwiGLU of gate and up, a SwiGLU activation, an addend), computed tile by tile with f16
+// inputs and f32 accumulators: wgmma on sm_90a, mma.sync (m16n8k16) elsewhere and for small products. The
+// activations are rounded to f16 once, by gemm_activations (with their SwiGLU when x_up is given).
 //
-// A block owns a tile of 128 weight rows (64 for small products; with SwiGLU, half of them gate rows and the same
-// rows of up) × 128 tokens (64 where an expert's tiles would be mostly empty), 16 warps of 32 × 32, and walks K in
-// steps of 64. Each step's inputs, the weight rows' raw block bytes (codes and scales, as stored) and the tokens'
-// f16 activations, travel by cp.async into a ring of shared-memory slots kept up to three steps ahead, so that
-// the memory latency (microseconds under load) hides behind the math of the steps in between. Each step decodes
-// its raw bytes to an f16 weight tile (two, alternating, so one barrier per step suffices) and multiplies it with
-// the activation tile on the tensor cores. Each weight byte is read once per 128 tokens instead of once per 8 with
-// the integer dot products. Where the time goes: instructions, not memory: the copies and the decode cost about
-// as many as the multiply-adds, which is why the tiles are as large as 128-register threads allow.
+// A block owns a tile of weight rows (256 or 128 with wgmma, 128 or 64 with mma.sync; with SwiGLU, half of them
+// gate rows and the same rows of up) × 128 tokens (64 where an expert's tiles would be mostly empty), and walks K
+// in steps of 64. Each step's inputs, the weight rows' raw block bytes (codes and scales, as stored) and the
+// tokens' f16 activations, travel by cp.async into a ring of shared-memory slots kept up to three steps ahead, so
+// that the memory latency (microseconds under load) hides behind the math of the steps in between. Each step
+// decodes its raw bytes to an f16 weight tile (two, alternating, so one barrier per step suffices) and multiplies
+// it with the activation tile on the tensor cores. Each weight byte is read once per 128 tokens instead of once per
+// 8 with the integer dot products. Where the time goes: the copy, decode and barrier of each step (its latency,
+// with 16 warps a multiprocessor), not memory bandwidth or the tensor cores.
 //
 // Numerics: f16 activations (11-bit significand) instead of matvec's 8-bit codes, so these products are closer
-// to f32 activations than the decode path is; a weight decodes to the f16 nearest its exact value.
+// to f32 activations than the decode path is; a weight decodes to the f16 nearest its exact value (for IQ2_XXS and
+// Q2_K, to the f16 nearest the f32 product of its scales and code).
 #include "backend/cuda/common.cuh"
 
 #include <cstdlib>
