@@ -483,7 +483,8 @@ __global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, i
 
 // One thread per (token, column), all hc outputs of it: the token's hc stream values of that column come from
 // memory once (the j loop finds them in L1) and no index needs a division. A thread per output element, as before,
-// read every stream value hc times and spent its time in 64-bit divisions (1.3 ms for an 8K chunk, now bandwidth).
+// read every stream value hc times and spent its time in 64-bit divisions (1.3 ms a call for an 8K chunk; with this
+// kernel the 8-layer file's 8K prefill went from 40.0 to 38.2 ms per layer, two calls each).
 __global__ void hc_post_kernel(const float * streams, const float * o, const float * post, const float * comb,
                                float * out, int64_t n, int64_t hc, int64_t width) {
     pdl_begin();
