@@ -133,11 +133,16 @@ __global__ void compressor_state_kernel(const CompressorArgs a) {
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kIdxKeysPerBlock = 32;  // 8 warps × 4 keys
 
+// The compressed rows token t sees: those its position has completed (one per ratio positions), as stored.
+__device__ __forceinline__ int64_t indexer_visible(const IndexerArgs & a, int64_t t) {
+    return min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+}
+
 __global__ void indexer_scores_kernel(const IndexerArgs a) {
     pdl_begin();
     extern __shared__ float smem_idx[];
     const int64_t t = blockIdx.y;
-    const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+    const int64_t visible = indexer_visible(a, t);
     const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
     if (visible <= a.top_k || key0 >= visible) return;
     const int64_t d = a.dim, H = a.heads, qs = d + 4;
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     __shared__ __align__(16) float q[kIdxFastHeads * kIdxFastDim];
     __shared__ float w[kIdxFastHeads];
     const int64_t t = blockIdx.y;
-    const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+    const int64_t visible = indexer_visible(a, t);
     const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
     if (visible <= a.top_k || key0 >= visible) return;
     for (int i = threadIdx.x; i < kIdxFastHeads * kIdxFastDim / 4; i += blockDim.x)
@@ -256,7 +261,7 @@ __global__ void __launch_bounds__(256) indexer_scores_tc_kernel(const IndexerArg
     const int64_t t0 = int64_t(blockIdx.x) * kIdxTcTokens;
     if (threadIdx.x < kIdxTcTokens) {
         const int64_t t = t0 + threadIdx.x;
-        const int64_t visible = t < a.n ? min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity) : 0;
+        const int64_t visible = t < a.n ? indexer_visible(a, t) : 0;
         scored[threadIdx.x] = visible > a.top_k ? visible : 0;
     }
     for (int i = threadIdx.x; i < kIdxTcRows * kIdxFastDim / 4; i += blockDim.x) {
@@ -413,7 +418,7 @@ __device__ void block_top_k(const float * sc, int64_t n, int k, int32_t * sel) {
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
     pdl_begin();
     const int64_t t = blockIdx.x;
-    const int64_t visible = min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
+    const int64_t visible = indexer_visible(a, t);
     int32_t * sel = a.selected + t * a.top_k;
     if (visible <= a.top_k) {
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
