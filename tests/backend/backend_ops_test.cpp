@@ -948,6 +948,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 4},
                                            MoeCase{GgmlType::F16, GgmlType::F16, 256, 96, 8, 2, 9},
                                            MoeCase{GgmlType::F32, GgmlType::F32, 32, 16, 4, 1, 6},
+                                           // one token: a tile per pair from the router's ids (no plan kernel)
+                                           MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 1},
+                                           MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 8, 1},
+                                           MoeCase{GgmlType::F16, GgmlType::F16, 256, 96, 8, 2, 1},
                                            // prefill chunks on the tensor cores (at least 8 pairs per expert)
                                            MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 100},
                                            MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 400},

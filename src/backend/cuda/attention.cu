@@ -792,10 +792,14 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
     launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 
+// Two blocks per multiprocessor, each split at least 8 keys (two steps of kKeys = 4 for 512-wide heads): a warp's
+// steps are dependent (loads, dot product, shuffles, exp), so a decode step's time is about its longest split.
+// (At least 32 keys per split, as before session 7, left a sliding-window layer's 64 heads on 32 blocks of 8
+// steps each.)
 int attention_splits(const AttentionArgs & a) {
     const int64_t groups = (a.heads + kAttnWarps - 1) / kAttnWarps;
     const int64_t want = (int64_t(device_sms()) * 2 + a.n * groups - 1) / (a.n * groups);
-    const int64_t most = std::max<int64_t>(1, (max_keys(a) + 31) / 32);
+    const int64_t most = std::max<int64_t>(1, (max_keys(a) + 7) / 8);
     return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 64)));
 }
 

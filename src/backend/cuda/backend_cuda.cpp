@@ -516,8 +516,8 @@ class CudaBackend final : public Backend {
         // Scratch: sorted pairs, tiles, tile count, hidden rows [pairs, I], expert outputs [pairs, D], and the
         // activations of x (per token) and of the hidden rows (per pair) as the products read them: 8-bit codes
         // for tiles of several tokens on the integer path, f16 on the tensor cores.
-        const bool gq = !tensor_cores && cuda::matvec_needs_quantized(gate.type, dim, nt);
-        const bool dq = !tensor_cores && cuda::matvec_needs_quantized(down.type, inner, nt);
+        const bool gq = !tensor_cores && cuda::matvec_needs_quantized(gate.type);
+        const bool dq = !tensor_cores && cuda::matvec_needs_quantized(down.type);
         auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
         const size_t ints = size_t(n_pairs + 3 * max_tiles + 1);
         const size_t ints_bytes = round_up(ints * sizeof(int32_t));
@@ -537,8 +537,12 @@ class CudaBackend final : public Backend {
         float * ybuf = reinterpret_cast<float *>(base + ints_bytes + h_bytes);
         uint8_t * xq = base + ints_bytes + h_bytes + y_bytes;
         uint8_t * hq = xq + xq_bytes;
-        cuda::moe_plan(experts.i32(), n_pairs, n_expert, nt, pairs, tiles, n_tiles, stream_);
-        launched("moe_plan");
+        // One token (decode): a tile per pair, read straight from the router's output.
+        const bool direct = n == 1 && !tensor_cores;
+        if (!direct) {
+            cuda::moe_plan(experts.i32(), n_pairs, n_expert, nt, pairs, tiles, n_tiles, stream_);
+            launched("moe_plan");
+        }
         g.t[0].y = h;
         g.t[0].y_stride = inner;
         d.x = h;
@@ -559,9 +563,14 @@ class CudaBackend final : public Backend {
                 cuda::matvec_quantize(down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq, stream_);
                 d.xq[cuda::matvec_act_kind(down.type)] = hq;
             }
-            a->tiles = tiles;
-            a->n_tiles = n_tiles;
-            a->pairs = pairs;
+            if (direct) {
+                a->pair_experts = experts.i32();
+                a->n_expert = int(n_expert);
+            } else {
+                a->tiles = tiles;
+                a->n_tiles = n_tiles;
+                a->pairs = pairs;
+            }
             if (tensor_cores)
                 cuda::gemm(*a, max_tiles, nt, stream_);
             else
@@ -691,8 +700,7 @@ class CudaBackend final : public Backend {
         return t;
     }
 
-    // Quantizes the activations once per kind where a target needs them pre-quantized (tiles of several tokens,
-    // or rows too wide for a block to quantize its own), then launches.
+    // Quantizes the activations once per kind the targets need (quantized weights), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
         if (a.n <= 0) return;
         bool tensor_cores = tensor_cores_ && cuda::gemm_inputs_aligned(a);
@@ -712,7 +720,7 @@ class CudaBackend final : public Backend {
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
         GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};  // a weight type of each activation kind needed
         for (int i = 0; i < a.n_targets; ++i)
-            if (cuda::matvec_needs_quantized(a.t[i].w.type, k, nt))
+            if (cuda::matvec_needs_quantized(a.t[i].w.type))
                 kinds[cuda::matvec_act_kind(a.t[i].w.type)] = a.t[i].w.type;
         size_t bytes[2] = {0, 0};
         for (int j = 0; j < 2; ++j)

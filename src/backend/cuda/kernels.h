@@ -82,12 +82,16 @@ struct MatvecArgs {
     const int32_t * tiles = nullptr;
     const int32_t * n_tiles = nullptr;
     const int32_t * pairs = nullptr;
+    // One token's experts (decode): tile i is pair i alone, of expert pair_experts[i] (skipped outside [0, n_expert)),
+    // so no plan kernel runs between the router and the products.
+    const int32_t * pair_experts = nullptr;
+    int n_expert = 0;
     int src_div = 1;
     bool glu = false;  // y = swiglu(w·x, w_up·x, limit)
     float limit = 0;
     int split = 1;  // set by matvec(): warps that share one row group, each over a slice of K
     // Quantized activations from matvec_quantize (row src·groups + group), per activation kind: [0] Q8A, [1] Q8_K.
-    // Needed only where matvec_needs_quantized() says so; otherwise each block quantizes its own token's row.
+    // Needed by every quantized weight type (matvec_needs_quantized); float weights read x.
     const uint8_t * xq[2] = {nullptr, nullptr};
     const uint16_t * x_f16 = nullptr;  // gemm only: the activations as f16 bits, same layout as x
 };
@@ -95,10 +99,9 @@ struct MatvecArgs {
 // Targets of several weight types run in one launch when the kernel for that mix exists (Q8_0 with F16: the
 // dense and control matrices of the quantized files), else in one launch per type.
 void matvec(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
-// Whether a product of this weight type over K at this tile size reads pre-quantized activations (xq), and of
-// which kind (0: Q8A, 1: Q8_K). Float weights never do; one-token tiles quantize in the block when the row fits
-// in shared memory.
-bool matvec_needs_quantized(GgmlType w, int64_t k, int tile_tokens);
+// Whether a product of this weight type reads pre-quantized activations (xq: every quantized type), and of which
+// kind (0: Q8A, 1: Q8_K).
+bool matvec_needs_quantized(GgmlType w);
 int matvec_act_kind(GgmlType w);
 // matvec_quantize writes the n·groups rows (token t, group g: x[t·x_stride + g·k ..], or swiglu of x and x_up
 // there) into dst, matvec_act_bytes(w, k, n·groups) bytes (0 for float weights).

@@ -5,9 +5,11 @@
 // bit-identical to format/quant's rules, so the integer dot products equal the CPU backend's
 // quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 8 tokens and
 // each warp streams two weight rows at a time: every lane loads 16 payload bytes per row per step (the upload
-// layout keeps payloads 16-byte aligned), so the rows' bytes are read once per token tile. A one-token tile
-// (decode) quantizes its activation row itself into shared memory, so a product is one launch; larger tiles
-// copy rows quantized once per product by a small kernel. Few rows (small projections at decode) split K over
+// layout keeps payloads 16-byte aligned), so the rows' bytes are read once per token tile. The activation rows
+// are quantized once per product by a small kernel; a one-token tile (decode) reads its row in place (L1 keeps
+// it), larger tiles copy theirs to shared memory. (Session 7 measured the alternative, each decode block
+// quantizing the row itself into shared memory: 3 % slower per token, as every block of an 8192-wide product
+// repeats the work of the whole row.) Few rows (small projections at decode) split K over
 // the warps of a row group instead. Before waiting for the previous kernel (programmatic dependent launch), a
 // block of a plain product prefetches its first weight rows into L2: weights never change, so their streaming
 // overlaps the tail of whatever ran before.
@@ -15,8 +17,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 namespace dsv4::cuda {
 
@@ -139,49 +139,6 @@ __device__ void quantize_block_q8k(const ActSource & x, int sb, int k, uint8_t *
     *reinterpret_cast<uint2 *>(row + 16 * swz(e >> 4) + (e & 15)) = make_uint2(lo, hi);
     if ((lane & 1) == 0) reinterpret_cast<int *>(row + k + k / 8)[16 * sb + lane / 2] = s;
     if (lane < 8) reinterpret_cast<float *>(row + k)[8 * sb + lane] = d;
-}
-
-// The Q8A rule for four blocks of 32 at once by one warp (eight lanes per block, four values per lane: the max
-// is exact in any order, so the codes equal quantize_block_q8a's); blocks b0..b0+3 below per_row.
-__device__ __forceinline__ void quantize_4blocks_q8a(const ActSource & x, int b0, int per_row, int k, uint8_t * row) {
-    const int lane = threadIdx.x & 31;
-    const int b = b0 + lane / 8, e = 32 * b + 4 * (lane & 7);
-    const bool valid = b < per_row;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (valid) {
-        if (!x.up && reinterpret_cast<uintptr_t>(x.x) % 16 == 0) {
-            const float4 f = *reinterpret_cast<const float4 *>(x.x + e);
-            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[i] = x.at(e + i);
-        }
-    }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, o));
-    const float d = amax / 127.0f;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int q = d != 0.0f ? round_clamp(v[i] / d, -127, 127) : 0;
-        packed |= uint32_t(q & 255) << (8 * i);
-    }
-    if (valid) {
-        *reinterpret_cast<uint32_t *>(row + 16 * swz(e >> 4) + (e & 15)) = packed;
-        if ((lane & 7) == 0) reinterpret_cast<float *>(row + k)[b] = d;
-    }
-}
-
-// One (token, group) activation row quantized by the calling block's warps into row (act_row_bytes(A, k)).
-template <Act A>
-__device__ __forceinline__ void quantize_row(const ActSource & x, int k, uint8_t * row) {
-    const int warp = int(threadIdx.x >> 5), warps = int(blockDim.x >> 5);
-    if constexpr (A == Act::q8a) {
-        for (int b = 4 * warp; b < k / 32; b += 4 * warps) quantize_4blocks_q8a(x, b, k / 32, k, row);
-    } else {
-        for (int b = warp; b < k / 256; b += warps) quantize_block_q8k(x, b, k, row);
-    }
 }
 
 // One warp per block of one (token, group) row.
@@ -462,7 +419,17 @@ struct Tile {
 
 template <int NT>
 __device__ __forceinline__ bool load_tile(const MatvecArgs & a, const MatvecTarget & t, Tile<NT> & tile) {
-    if (a.tiles) {
+    if (a.pair_experts) {
+        const int e = a.pair_experts[blockIdx.y];
+        if (e < 0 || e >= a.n_expert) return false;
+        tile.n_tok = 1;
+        tile.row_off = int64_t(e) * t.rows;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            tile.src[i] = int64_t(blockIdx.y) / a.src_div;
+            tile.dst[i] = blockIdx.y;
+        }
+    } else if (a.tiles) {
         if (int(blockIdx.y) >= *a.n_tiles) return false;
         const int32_t * tl = a.tiles + 3 * blockIdx.y;
         tile.n_tok = tl[2];
@@ -555,14 +522,7 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
     const int64_t arb = act_row_bytes(U::kAct, k);
     const uint8_t * xq = a.xq[int(U::kAct)];
     if constexpr (NT == 1) {
-        const uint8_t * row;
-        if (xq) {
-            row = xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
-        } else {
-            const int64_t off = tile.src[0] * a.x_stride + int64_t(blockIdx.z) * k;
-            quantize_row<U::kAct>(ActSource{a.x + off, a.x_up ? a.x_up + off : nullptr, a.x_limit}, k, p);
-            row = p;
-        }
+        const uint8_t * row = xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
         act.q = const_cast<int8_t *>(reinterpret_cast<const int8_t *>(row));
         act.d = const_cast<float *>(reinterpret_cast<const float *>(row + k));
         act.bsum = const_cast<int *>(reinterpret_cast<const int *>(row + k + k / 8));
@@ -757,7 +717,7 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
         if (i < a.n_targets && int(blockIdx.x) >= a.t[i].first_block) t = a.t[i];
     const int bx = int(blockIdx.x) - t.first_block;
     // Expert tiles come from the previous kernel; a plain product's rows are known before it ends.
-    if (!a.tiles) {
+    if (!a.tiles && !a.pair_experts) {
         const int64_t rows_per_block = int64_t(kWarps / a.split) * kRowsPerWarp, row0 = int64_t(bx) * rows_per_block;
         if (row0 < t.rows) {
             const int64_t first = int64_t(blockIdx.z) * t.rows + row0, count = min(rows_per_block, t.rows - row0);
@@ -787,16 +747,13 @@ bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t
 
 Act act_of(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::MXFP4 ? Act::q8a : Act::q8k; }
 
-// Shared memory of a block that multiplies weights of type t: the IQ2 tables, and the activation tile (several
-// tokens) or the one row it quantizes itself.
-constexpr size_t kInBlockActSmem = 40 * 1024;
-
+// Shared memory of a block that multiplies weights of type t: the IQ2 tables, and the activation tile of
+// several tokens.
 size_t tables_smem(GgmlType t) { return t == GgmlType::IQ2_XXS ? 256 * sizeof(uint64_t) : 0; }
 
-size_t quant_smem(GgmlType t, int nt, int64_t k, bool in_block) {
+size_t quant_smem(GgmlType t, int nt, int64_t k) {
     if (is_float(t)) return 0;
-    const size_t act = nt > 1 ? act_smem_bytes(act_of(t), nt, k) : in_block ? size_t(act_row_bytes(act_of(t), k)) : 0;
-    return tables_smem(t) + act;
+    return tables_smem(t) + (nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0);
 }
 
 template <int NT, bool GLU, class... Us>
@@ -882,7 +839,7 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
         if (is_float(t.w.type)) {
             vec = vec && float_vec_ok(a, t);
         } else {
-            smem = std::max(smem, quant_smem(t.w.type, nt, t.w.ne0, !a.xq[int(act_of(t.w.type))]));
+            smem = std::max(smem, quant_smem(t.w.type, nt, t.w.ne0));
         }
     }
     const GgmlType type = a.t[0].w.type;
@@ -980,14 +937,7 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, 
 
 }  // namespace
 
-bool matvec_needs_quantized(GgmlType w, int64_t k, int tile_tokens) {
-    // DSV4_CUDA_BLOCK_QUANT=0: one-token products quantize through the separate kernel too (for comparisons).
-    static const bool in_block = [] {
-        const char * e = std::getenv("DSV4_CUDA_BLOCK_QUANT");
-        return !e || std::strcmp(e, "0") != 0;
-    }();
-    return !is_float(w) && (tile_tokens > 1 || !in_block || quant_smem(w, 1, k, true) > kInBlockActSmem);
-}
+bool matvec_needs_quantized(GgmlType w) { return !is_float(w); }
 
 int matvec_act_kind(GgmlType w) { return int(act_of(w)); }
 
@@ -1012,7 +962,7 @@ void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_li
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
     int nt = n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
     if (!is_float(w))
-        while (nt > 1 && quant_smem(w, nt, k, false) > kMaxActSmem) nt /= 2;
+        while (nt > 1 && quant_smem(w, nt, k) > kMaxActSmem) nt /= 2;
     return nt;
 }
 
