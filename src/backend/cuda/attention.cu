@@ -573,17 +573,28 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     }
     __syncthreads();
     const float inv = s_inv;
-    // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN.
+    // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN. The
+    // numerators of kBatch splits are loaded before any is added (a decode step has 16-64 splits: one L2 round trip
+    // per split was most of this kernel's time); the sum order stays split by split.
+    constexpr int kBatch = 8;
     for (int64_t e = 2 * int64_t(threadIdx.x); e < d; e += 2 * int64_t(blockDim.x)) {
         float acc0 = 0.0f, acc1 = 0.0f;
         const bool pair = e + 1 < d;
-#pragma unroll 4
-        for (int s = 0; s < splits; ++s) {
-            const float wgt = weight[s];
-            const float * p = part + s * (d + 2) + 2 + e;
-            const float v0 = p[0], v1 = pair ? p[1] : 0.0f;
-            acc0 += wgt != 0.0f ? v0 * wgt : 0.0f;
-            acc1 += wgt != 0.0f ? v1 * wgt : 0.0f;
+        for (int s0 = 0; s0 < splits; s0 += kBatch) {
+            float v0[kBatch], v1[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                const float * p = part + (s0 + j) * (d + 2) + 2 + e;
+                v0[j] = s0 + j < splits ? p[0] : 0.0f;
+                v1[j] = s0 + j < splits && pair ? p[1] : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                if (s0 + j >= splits) break;
+                const float wgt = weight[s0 + j];
+                acc0 += wgt != 0.0f ? v0[j] * wgt : 0.0f;
+                acc1 += wgt != 0.0f ? v1[j] * wgt : 0.0f;
+            }
         }
         a.out[th * d + e] = acc0 * inv;
         if (pair) a.out[th * d + e + 1] = acc1 * inv;

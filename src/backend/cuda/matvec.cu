@@ -9,8 +9,8 @@
 // are quantized once per product by a small kernel; a one-token tile (decode) reads its row in place (L1 keeps
 // it), larger tiles copy theirs to shared memory. (Session 7 measured the alternative, each decode block
 // quantizing the row itself into shared memory: 3 % slower per token, as every block of an 8192-wide product
-// repeats the work of the whole row.) Few rows (small projections at decode) split K over
-// the warps of a row group instead. Before waiting for the previous kernel (programmatic dependent launch), a
+// repeats the work of the whole row.) Long rows at decode (float rows, 8192-wide Q8_0) and few rows (small
+// projections) split K over the warps of a row group instead. Before waiting for the previous kernel (programmatic dependent launch), a
 // block of a plain product prefetches its first weight rows into L2: weights never change, so their streaming
 // overlaps the tail of whatever ran before.
 #include "backend/cuda/common.cuh"
@@ -809,11 +809,37 @@ bool float_vec_ok(const MatvecArgs & a, const MatvecTarget & t) {
            aligned(t.w.data) && (!a.glu || aligned(t.w_up.data));
 }
 
+// Weight units a row has (a lane loads one per step): 16 bytes of payload, or one value for unaligned floats.
+int64_t row_units(GgmlType type, int64_t k, bool vec) {
+    switch (type) {
+        case GgmlType::Q8_0:
+            return k / Q8_0Unit::kUnitElems;
+        case GgmlType::MXFP4:
+            return k / Mxfp4Unit::kUnitElems;
+        case GgmlType::IQ2_XXS:
+            return k / Iq2XxsUnit::kUnitElems;
+        case GgmlType::Q2_K:
+            return k / Q2_KUnit::kUnitElems;
+        case GgmlType::Q4_K:
+            return k / Q4_KUnit::kUnitElems;
+        default:
+            return vec ? k * (type == GgmlType::F32 ? 4 : 2) / 16 : k;
+    }
+}
+
 // One launch over a.t[0, n_targets) (one weight type, or the Q8_0 + F16 mix).
 void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_t s) {
-    // Few rows (small projections at decode): warps share row groups, each taking a slice of K, until the
-    // launch has about two blocks per multiprocessor.
     const int64_t sms = device_sms();
+    bool vec = true;
+    for (int i = 0; i < a.n_targets; ++i)
+        if (is_float(a.t[i].w.type)) vec = vec && float_vec_ok(a, a.t[i]);
+    // Warps share a row group, each over a slice of K (split), where a one-token launch would otherwise wait for
+    // its longest rows: until a lane has at most two batches of unrolled steps (8 quantized units, 4 float ones).
+    // A decode launch is one wave, so its time is its slowest warp's chain of loads, and a float row of 4096 (the
+    // router, the compressors) has four times a Q8_0 row's steps. One split serves the whole launch (a split per
+    // target cost the kernels registers: the IQ2_XXS gate/up went from 64 to 100 and lost half its blocks per
+    // multiprocessor). Then, for few rows (small projections at decode), the split grows until the launch has
+    // about two blocks per multiprocessor.
     auto row_blocks = [&](int64_t rows, int split) {
         const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
         return (rows + per_block - 1) / per_block;
@@ -824,23 +850,22 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
         return b;
     };
     a.split = 1;
+    for (int i = 0; i < a.n_targets && nt == 1; ++i) {
+        const int64_t units = row_units(a.t[i].w.type, a.t[i].w.ne0, vec), most = is_float(a.t[i].w.type) ? 4 : 8;
+        while (a.split < kWarps && units > most * 32 * a.split) a.split *= 2;
+    }
     while (a.split < kWarps && total_blocks(a.split) * max_tiles * a.groups < 2 * sms) a.split *= 2;
-    // Enough blocks to fill the GPU a few times over; each block loops over its rows, so its activation tile is
-    // quantized once for many rows.
+    // Enough blocks to fill the GPU a few times over; each block loops over its rows, so a tile of several tokens
+    // is copied to shared memory once for many rows.
     const int64_t per_tile = std::max<int64_t>(1, sms * 8 / (max_tiles * a.groups));
     int first = 0;
-    bool vec = true;
     size_t smem = 0;
     for (int i = 0; i < a.n_targets; ++i) {
         MatvecTarget & t = a.t[i];
         t.first_block = first;
         t.blocks = int(std::max<int64_t>(1, std::min(row_blocks(t.rows, a.split), per_tile)));
         first += t.blocks;
-        if (is_float(t.w.type)) {
-            vec = vec && float_vec_ok(a, t);
-        } else {
-            smem = std::max(smem, quant_smem(t.w.type, nt, t.w.ne0));
-        }
+        if (!is_float(t.w.type)) smem = std::max(smem, quant_smem(t.w.type, nt, t.w.ne0));
     }
     const GgmlType type = a.t[0].w.type;
     const dim3 grid(unsigned(first), unsigned(max_tiles), unsigned(a.groups));
