@@ -25,7 +25,8 @@ int main(int argc, char ** argv) {
     app.add_option("--sessions", o.sessions, "live KV sessions kept for prefix reuse (default 2)")
         ->check(CLI::Range(1, 64));
     app.add_option("-t,--threads", o.engine.n_threads, "CPU threads (default: all)");
-    app.add_option("--ubatch", o.engine.n_ubatch, "prefill chunk (default: 2048 on a GPU, 256 on the CPU)")
+    app.add_option("--ubatch", o.engine.n_ubatch,
+                   "prefill chunk (default on a GPU 8192 when the context fits with it, else 2048; 256 on the CPU)")
         ->check(CLI::Range(1, 1 << 20));
     app.add_option("--numerics", o.engine.numerics, "official (DeepSeek's KV/indexer rounding) or reference");
     app.add_option("--backend", o.engine.backend, "cpu, cuda or auto (cuda when a GPU is present)");

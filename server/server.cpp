@@ -273,10 +273,13 @@ void HttpServer::load() {
         }
         log_info(
             "memory plan: context {}, {} session(s) of {:.2f} GiB, {:.1f} GiB of weights, {:.1f} GiB in all of "
-            "{:.1f} GiB available in {} (largest context that fits: {})",
+            "{:.1f} GiB available in {} (largest context that fits: {}; prefill chunks of {} tokens)",
             n_ctx, opt_.sessions, double(plan.kv_per_session()) / (1 << 30), double(plan.weights) / (1 << 30),
-            double(plan.total()) / (1 << 30), double(plan.available) / (1 << 30), plan.device, plan.max_ctx);
-        engine_ = Engine::open(opt_.engine, [&](const LoadProgress & p) {
+            double(plan.total()) / (1 << 30), double(plan.available) / (1 << 30), plan.device, plan.max_ctx,
+            plan.n_ubatch);
+        EngineOptions engine_options = opt_.engine;
+        engine_options.n_ubatch = plan.n_ubatch;  // the plan's chunk size (it may pick the larger GPU chunk)
+        engine_ = Engine::open(engine_options, [&](const LoadProgress & p) {
             progress_.store(p.fraction());
             load_gb_per_s_.store(p.gb_per_s());
             loaded_bytes_.store(p.bytes_done);

@@ -44,10 +44,13 @@ class Chat {
 
     // Refuses a context that cannot fit before loading gigabytes of weights; on a terminal, shows the load.
     static std::unique_ptr<Engine> open_engine(const Options & opts) {
-        Engine::plan(engine_options(opts), opts.ctx > 0 ? opts.ctx : kDefaultContext).require_fit();
+        const MemoryPlan plan = Engine::plan(engine_options(opts), opts.ctx > 0 ? opts.ctx : kDefaultContext);
+        plan.require_fit();
+        EngineOptions options = engine_options(opts);
+        options.n_ubatch = plan.n_ubatch;  // the plan's chunk size (it may pick the larger GPU chunk)
         int shown = -1;
         const bool tty = isatty(2);
-        auto engine = Engine::open(engine_options(opts), [&](const LoadProgress & p) {
+        auto engine = Engine::open(options, [&](const LoadProgress & p) {
             const int percent = int(100 * p.fraction());
             if (!tty || percent == shown) return;
             shown = percent;

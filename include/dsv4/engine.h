@@ -29,7 +29,9 @@ struct EngineOptions {
     std::string backend = "auto";  // cpu, cuda, auto (cuda when a GPU is present)
     int gpu = 0;                   // device index for cuda
     int n_threads = 0;             // cpu threads (0: all)
-    // Largest chunk evaluated at once (prefill; scratch is sized for it). 0: 2048 on CUDA, 256 on the CPU.
+    // Largest chunk evaluated at once (prefill; scratch is sized for it). 0: 256 on the CPU; on CUDA 2048, or
+    // the 8192 that Engine::plan picks when the planned context fits with it (callers that plan pass its
+    // n_ubatch on to Engine::open).
     int64_t n_ubatch = 0;
     std::string numerics = "official";  // "official" (DeepSeek's KV/indexer rounding) or "reference" (HF, exact)
     bool quantize_activations = true;   // cpu: 8-bit activations for quantized weights (faster)
@@ -145,7 +147,8 @@ class Engine {
     // The most GPU memory the engine has held at once (weights, KV states, workspace, scratch); 0 on the CPU.
     virtual uint64_t peak_device_bytes() const = 0;
     // The memory plan of options' model with n_sessions sessions of n_ctx tokens on the backend the options pick
-    // (n_ctx 0: just the largest context). Reads the file's header only; throws dsv4::Error for a bad file.
+    // (n_ctx 0: the largest context). With options.n_ubatch 0 on a GPU, the plan's n_ubatch is 8192 when that
+    // context fits with it, else 2048. Reads the file's header only; throws dsv4::Error for a bad file.
     static MemoryPlan plan(const EngineOptions & options, int64_t n_ctx, int n_sessions = 1);
     static constexpr int64_t kContextStep = 4096;  // the plan's largest context is a multiple of this
 };

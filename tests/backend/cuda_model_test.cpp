@@ -4,6 +4,7 @@
 // the max logit error and the top-1 agreement of each run; exits 77 (ctest: skipped) without a GPU.
 #include "backend/backend.h"
 #include "backend/cuda.h"
+#include "dsv4/engine.h"
 #include "format/gguf.h"
 #include "model/convert.h"
 #include "model/forward.h"
@@ -16,6 +17,7 @@
 #include <unistd.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -223,6 +225,40 @@ TEST(CudaModelQuantized, MixesMatchCpu) {
             EXPECT_GE(x.top1, 0.97) << tag;
         }
     }
+}
+
+// Engine::plan's chunk size on a GPU: 8192 when the planned context fits with it, 2048 when only the smaller chunk
+// fits (sessions enough to fill the device at 2048), an explicit --ubatch kept.
+TEST(CudaEnginePlan, LargeChunkOnlyWhenItFits) {
+    EngineOptions o;
+    o.model_path = gguf("hf-small-seed1", StorageMix::f32);
+    o.backend = "cuda";
+    const MemoryPlan automatic = Engine::plan(o, 4096);
+    ASSERT_TRUE(automatic.fits());
+    EXPECT_EQ(automatic.n_ubatch, 8192);
+    o.n_ubatch = 512;
+    EXPECT_EQ(Engine::plan(o, 4096).n_ubatch, 512);
+    o.n_ubatch = 2048;
+    const MemoryPlan small = Engine::plan(o, 4096);
+    o.n_ubatch = 8192;
+    const MemoryPlan large = Engine::plan(o, 4096);
+    ASSERT_GT(large.kv_per_session(), small.kv_per_session());  // the raw ring holds window + ubatch - 1 rows
+    // The most sessions that fit with 2048-token chunks; with 8192 they must not.
+    const uint64_t fixed = small.weights + small.workspace + small.scratch + small.reserve;
+    ASSERT_LT(fixed, small.available);
+    // (One fewer than the most, so that free memory moving by a little between the calls does not matter.)
+    const uint64_t sessions = (small.available - fixed) / small.kv_per_session() - 1;
+    if (sessions > uint64_t(INT32_MAX) ||
+        large.weights + large.workspace + large.scratch + large.reserve + sessions * large.kv_per_session() <=
+            large.available)
+        GTEST_SKIP() << "no session count separates the two chunk sizes on this device";
+    o.n_ubatch = 0;
+    const MemoryPlan fallback = Engine::plan(o, 4096, int(sessions));
+    EXPECT_TRUE(fallback.fits());
+    EXPECT_EQ(fallback.n_ubatch, 2048);
+    std::printf("plan: 8192 for one session of 4096; %llu sessions fit only with 2048 (%.1f of %.1f GiB)\n",
+                static_cast<unsigned long long>(sessions), double(fallback.total()) / double(1 << 30),
+                double(fallback.available) / double(1 << 30));
 }
 
 }  // namespace
