@@ -10,9 +10,9 @@
 // it), larger tiles copy theirs to shared memory. (Session 7 measured the alternative, each decode block
 // quantizing the row itself into shared memory: 3 % slower per token, as every block of an 8192-wide product
 // repeats the work of the whole row.) Long rows at decode (float rows, 8192-wide Q8_0) and few rows (small
-// projections) split K over the warps of a row group instead. Before waiting for the previous kernel (programmatic dependent launch), a
-// block of a plain product prefetches its first weight rows into L2: weights never change, so their streaming
-// overlaps the tail of whatever ran before.
+// projections) split K over the warps of a row group instead. Before waiting for the previous kernel
+// (programmatic dependent launch), a block of a plain product prefetches its first weight rows into L2: weights
+// never change, so their streaming overlaps the tail of whatever ran before.
 #include "backend/cuda/common.cuh"
 
 #include <algorithm>
