@@ -47,7 +47,7 @@ TEST_F(EngineTest, PlanMatchesWhatSessionsAllocate) {
         EXPECT_EQ(p.n_ubatch, 64);
         EXPECT_EQ(p.kv_per_session(), engine->session_bytes(ctx)) << ctx;
         EXPECT_EQ(p.weights, engine->info().weight_bytes);
-        // The workspace holds every row's logits at least: n_ubatch × n_vocab floats.
+        // The workspace holds min(n_ubatch, Model::kHeadRows) rows of logits at least (here 64 × n_vocab floats).
         EXPECT_GE(p.workspace, uint64_t(64 * 512 * 4));
         EXPECT_EQ(p.total(), p.weights + 2 * p.kv_per_session() + p.workspace + p.scratch);
         EXPECT_TRUE(p.fits());

@@ -49,7 +49,7 @@ struct Model::Workspace {
     Tensor sh_gate;    // F32 [n, I]
     Tensor sh_up;      // F32 [n, I]
     Tensor routed;     // F32 [n, D]
-    Tensor logits;     // F32 [n, V]
+    Tensor logits;     // F32 [min(n, kHeadRows), V]
     Tensor candidates;   // [2k + 4] 32-bit words: the three views below, k = min(kSampleCandidates, V)
     Tensor cand_ids;     // I32 [k]: sampling candidates (logit_candidates)
     Tensor cand_values;  // F32 [k]
@@ -92,7 +92,7 @@ struct Model::Workspace {
         sh_gate = make(GgmlType::F32, n, c.expert_ff);
         sh_up = make(GgmlType::F32, n, c.expert_ff);
         routed = make(GgmlType::F32, n, D);
-        logits = make(GgmlType::F32, n, c.n_vocab);
+        logits = make(GgmlType::F32, std::min(n, kHeadRows), c.n_vocab);
         // The candidates share one buffer so that one read brings them to the host.
         const int64_t k = std::min(kSampleCandidates, c.n_vocab);
         candidates = make(GgmlType::F32, 1, 2 * k + 4);
@@ -207,12 +207,18 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     Tensor tok = first(w.tokens, n);
     b.write(tok, tokens, size_t(n) * sizeof(int32_t));
     write_positions(pos0, n);
-    // Only the rows whose logits are wanted go through the head (the LM head is the largest matrix).
+    // Only the rows whose logits are wanted go through the head (the LM head is the largest matrix), at most
+    // kHeadRows at once (the logits buffer's rows).
     const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
     const int64_t rows = mode == LogitsMode::none ? 0 : n - first_row;
+    const int64_t head_rows = w.logits.ne[3];
     // Each block swaps the two stream buffers twice, so the final streams are always in w.streams.
-    const Tensor final_streams =
-        make_tensor(GgmlType::F32, w.streams.f32() + first_row * c.hc * c.n_embd, c.n_embd, c.hc, 1, rows);
+    auto final_rows = [&](int64_t r0, int64_t m) {
+        return make_tensor(GgmlType::F32, w.streams.f32() + (first_row + r0) * c.hc * c.n_embd, c.n_embd, c.hc, 1, m);
+    };
+    auto run_head = [&](int64_t r0, int64_t m) {
+        head(final_rows(r0, m), W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, m);
+    };
 
     auto body = [&] {
         Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
@@ -222,7 +228,7 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         b.hc_expand(x, streams);
         for (int64_t il = 0; il < c.n_layer; ++il)
             block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2);
-        if (rows > 0) head(final_streams, W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, rows);
+        if (rows > 0 && rows <= head_rows) run_head(0, rows);
     };
     // A decode step is the same op sequence at every position of a state: a device backend replays a capture.
     if (n == 1 && !trace_)
@@ -231,10 +237,22 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         body();
     state.set_n_past(pos0 + n);
     if (rows == 0) return;
-    b.copy(state.last_logits(), w.logits, size_t(c.n_vocab) * sizeof(float), 0,
-           size_t((rows - 1) * c.n_vocab) * sizeof(float));
-    if (hidden) b.read(final_streams, hidden, final_streams.n_bytes());
-    if (logits) b.read(first(w.logits, rows), logits, size_t(rows * c.n_vocab) * sizeof(float));
+    const size_t row_bytes = size_t(c.n_vocab) * sizeof(float);
+    int64_t in_buffer = rows;  // rows of logits in the buffer now
+    if (rows <= head_rows) {
+        if (logits) b.read(first(w.logits, rows), logits, size_t(rows) * row_bytes);
+    } else {
+        for (int64_t r0 = 0; r0 < rows; r0 += head_rows) {
+            in_buffer = std::min(head_rows, rows - r0);
+            run_head(r0, in_buffer);
+            if (logits) b.read(first(w.logits, in_buffer), logits + r0 * c.n_vocab, size_t(in_buffer) * row_bytes);
+        }
+    }
+    b.copy(state.last_logits(), w.logits, row_bytes, 0, size_t(in_buffer - 1) * row_bytes);
+    if (hidden) {
+        const Tensor final_streams = final_rows(0, rows);
+        b.read(final_streams, hidden, final_streams.n_bytes());
+    }
 }
 
 void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {
@@ -274,7 +292,8 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
                      float * logits, float * hidden_out) {
     DSV4_CHECK(weights_.mtp && state.has_mtp(), "the model has no MTP block");
     const int64_t n = int64_t(next_tokens.size());
-    DSV4_CHECK(n >= 1 && n <= n_ubatch_, "MTP evaluates 1 to {} rows at once (got {})", n_ubatch_, n);
+    const int64_t most = std::min(n_ubatch_, kHeadRows);
+    DSV4_CHECK(n >= 1 && n <= most, "MTP evaluates 1 to {} rows at once (got {})", most, n);
     DSV4_CHECK(pos0 >= 0 && pos0 + n <= state.n_ctx(), "MTP positions [{}, {}) outside the context of {}", pos0,
                pos0 + n, state.n_ctx());
     for (int32_t t : next_tokens)

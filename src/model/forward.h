@@ -60,8 +60,8 @@ class Model {
     Numerics numerics() const { return numerics_; }
 
     std::unique_ptr<KvState> new_state(int64_t n_ctx) const;
-    // Bytes of the activations a Model allocates for chunks of n_ubatch tokens (the logits of every row are most
-    // of it: n_ubatch·n_vocab floats); with_mtp_cat when the MTP head uses llama.cpp's fused projection.
+    // Bytes of the activations a Model allocates for chunks of n_ubatch tokens; with_mtp_cat when the MTP head uses
+    // llama.cpp's fused projection.
     static uint64_t workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bool with_mtp_cat);
     void set_trace(TraceFn trace) { trace_ = std::move(trace); }
 
@@ -79,6 +79,10 @@ class Model {
     // kSampleCandidates ids ascending and their logits into ids and values [n_candidates()], and stats [4] = (max,
     // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host.
     static constexpr int64_t kSampleCandidates = 1024;
+    // Rows of logits the workspace holds: a chunk whose every row's logits are wanted (dump-logits, prompt logprobs)
+    // runs the head in pieces of this many rows, each read out before the next. Sized for the chunk, the buffer
+    // would be most of the workspace (n_ubatch × vocabulary floats: 4.2 GB for chunks of 8192).
+    static constexpr int64_t kHeadRows = 256;
     int64_t n_candidates() const { return std::min(kSampleCandidates, config_.n_vocab); }
     void logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats);
     // The whole row of state.last_logits() [n_vocab].
