@@ -44,9 +44,9 @@ class Chat {
 
     // Refuses a context that cannot fit before loading gigabytes of weights; on a terminal, shows the load.
     static std::unique_ptr<Engine> open_engine(const Options & opts) {
-        const MemoryPlan plan = Engine::plan(engine_options(opts), opts.ctx > 0 ? opts.ctx : kDefaultContext);
-        plan.require_fit();
         EngineOptions options = engine_options(opts);
+        const MemoryPlan plan = Engine::plan(options, opts.ctx > 0 ? opts.ctx : kDefaultContext);
+        plan.require_fit();
         options.n_ubatch = plan.n_ubatch;  // the plan's chunk size (it may pick the larger GPU chunk)
         int shown = -1;
         const bool tty = isatty(2);
