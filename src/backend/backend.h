@@ -164,6 +164,15 @@ class Backend {
     // out[t, j] = post[t, j]·o[t] + Σ_i comb[t, i, j]·streams[t, i]. out [n, hc, D] must not alias streams.
     virtual void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
                          const Tensor & out) = 0;
+    // hc_post(streams, o, post, comb, out), then hc_pre(out, ...) writing y, post and comb: one sublayer's output
+    // into the streams and the next sublayer's input in one op, which a device backend runs as one kernel for a
+    // few tokens (a decode step). post and comb are read as HCPost's inputs, then overwritten.
+    virtual void hc_post_pre(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
+                             const Tensor & out, const Tensor & fn, const Tensor & scale, const Tensor & base,
+                             int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y) {
+        hc_post(streams, o, post, comb, out);
+        hc_pre(out, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb);
+    }
     // Final collapse: z [n, D] = Σ_h (σ(scale·μ_h + base_h) + eps_hc)·stream_h with μ = fn · rms0(streams).
     // fn [hc·D, hc]; scale F32 [1]; base F32 [hc].
     virtual void hc_head(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,

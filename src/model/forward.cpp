@@ -226,8 +226,10 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         b.get_rows(W.token_embd, tok, x);
         trace("embed", -1, x);
         b.hc_expand(x, streams);
+        attn_pre(W.layers[0], streams, n);
         for (int64_t il = 0; il < c.n_layer; ++il)
-            block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2);
+            block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2,
+                  il + 1 < c.n_layer ? &W.layers[size_t(il + 1)] : nullptr);
         if (rows > 0 && rows <= head_rows) run_head(0, rows);
     };
     // A decode step is the same op sequence at every position of a state: a device backend replays a capture.
@@ -333,35 +335,44 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
         b.hc_expand(ep, streams2);
         b.add(streams, streams2, streams);
     }
-    block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2);
+    attn_pre(M.block, streams, n);
+    block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2, nullptr);
     if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
     head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n);
     b.read(first(w.logits, n), logits, size_t(n * c.n_vocab) * sizeof(float));
 }
 
+void Model::attn_pre(const LayerWeights & L, const Tensor & streams, int64_t n) {
+    const ModelConfig & c = config_;
+    Workspace & w = *ws_;
+    backend_.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps,
+                    L.attn_norm, first(w.xn, n), first(w.post, n), first(w.comb, n));
+}
+
 void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
-                  int64_t n, Tensor & streams, Tensor & streams2) {
+                  int64_t n, Tensor & streams, Tensor & streams2, const LayerWeights * next) {
     const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
     Tensor xn = first(w.xn, n), out = first(w.out, n);
     Tensor post = first(w.post, n), comb = first(w.comb, n);
-    // Attention sublayer: HCPre mixes the streams into one input (normed in the same op); HCPost writes the
-    // output back into all streams (there is no other residual path).
-    b.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps,
-             L.attn_norm, xn, post, comb);
+    // Attention sublayer: HCPre mixed the streams into one input (normed in the same op); HCPost writes the output
+    // back into all streams (there is no other residual path), fused with the FFN's HCPre.
     trace("attn_in", il, xn);
     attention(L, lc, S, il, pos0, n);
     trace("attn_out", il, out);
-    b.hc_post(streams, out, post, comb, streams2);
+    b.hc_post_pre(streams, out, post, comb, streams2, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters),
+                  c.hc_eps, c.norm_eps, L.ffn_norm, xn);
     std::swap(streams, streams2);
 
-    b.hc_pre(streams, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters), c.hc_eps, c.norm_eps, L.ffn_norm,
-             xn, post, comb);
     trace("mlp_in", il, xn);
     ffn(L, lc, il, n);
     trace("mlp_out", il, out);
-    b.hc_post(streams, out, post, comb, streams2);
+    if (next)
+        b.hc_post_pre(streams, out, post, comb, streams2, next->hc_attn_fn, next->hc_attn_scale, next->hc_attn_base,
+                      int(c.hc_iters), c.hc_eps, c.norm_eps, next->attn_norm, xn);
+    else
+        b.hc_post(streams, out, post, comb, streams2);
     std::swap(streams, streams2);
     trace("out", il, streams);
 }

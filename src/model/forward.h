@@ -102,9 +102,12 @@ class Model {
                     float * hidden);
     // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch) for the tokens at
     // positions [pos0, pos0 + n) (the ops read them from the workspace's positions tensor; pos0 only names trace
-    // rows); il names the layer in traces. The main layers and the MTP block both run through here.
+    // rows); il names the layer in traces. The main layers and the MTP block both run through here. The block's
+    // attention input (xn, post, comb) is already there: attn_pre made it, or the block before, whose `next` this
+    // block was: then the last HCPost and the next block's HCPre run as one op (Backend::hc_post_pre).
+    void attn_pre(const LayerWeights & L, const Tensor & streams, int64_t n);
     void block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0, int64_t n,
-               Tensor & streams, Tensor & streams2);
+               Tensor & streams, Tensor & streams2, const LayerWeights * next);
     void attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
                    int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);

@@ -533,10 +533,13 @@ TEST(Ops, OfficialRoundTrips) {
 // Hyper-connections
 // ---------------------------------------------------------------------------------------------------------------------
 TEST(Ops, HyperConnections) {
-    // n < 16: the decode kernels (a block per chunk and token); n >= 16: the prefill kernels (16-token tiles),
-    // with a partial last tile and chunks narrower than 256 values.
+    // n < 16: the decode kernel (a block per chunk and token, the last one of a token finishing; rows wider
+    // than 4256 are not held in registers, and past 6144 the norm's weights stay in global memory); n >= 16: the
+    // prefill kernels (16-token tiles), with a partial last tile and chunks narrower than 256 values.
     for (auto [D, n, type] : {std::tuple<int64_t, int64_t, GgmlType>{4096, 1, GgmlType::F16},
                               {4096, 3, GgmlType::F16},
+                              {5120, 2, GgmlType::F16},
+                              {7168, 1, GgmlType::F16},
                               {64, 5, GgmlType::F32},
                               {32, 2, GgmlType::BF16},
                               {4096, 40, GgmlType::F16},
@@ -581,6 +584,17 @@ TEST(Ops, HyperConnections) {
         gpu().hc_post(streams.g, o.g, post.g, comb.g, out.g);
         cpu().hc_post(streams.c, o.c, post.c, comb.c, out.c);
         compare("hc_post" + tag, out, 1e-5);
+        // HCPost fused with the next HCPre (one kernel below 16 tokens): the streams it writes, then what hc_pre
+        // gives on them; post2 and comb2 are its inputs and then its outputs.
+        const Both out2 = s.out(GgmlType::F32, D, hc, 1, n), y3 = s.out(GgmlType::F32, D, n);
+        gpu().hc_post_pre(streams.g, o.g, post2.g, comb2.g, out2.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, gamma.g,
+                          y3.g);
+        cpu().hc_post_pre(streams.c, o.c, post2.c, comb2.c, out2.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, gamma.c,
+                          y3.c);
+        compare("hc_post_pre streams" + tag, out2, 1e-5);
+        compare("hc_post_pre normed y" + tag, y3, 1e-5);
+        compare("hc_post_pre post" + tag, post2, 1e-5);
+        compare("hc_post_pre comb" + tag, comb2, 1e-5);
         const Both hfn = s.weight(type, hc * D, hc);
         const Both hscale = s.values({1.3f}, 1);
         const Both hbase = s.values(randn(size_t(hc), 0.5f), hc);

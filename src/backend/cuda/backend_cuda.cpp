@@ -77,6 +77,8 @@ class CudaBackend final : public Backend {
         for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
         check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
         check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
+        check(cudaMalloc(&hc_done_, cuda::kHcRowsTokens * sizeof(unsigned)), "cudaMalloc(hc counters)");
+        check(cudaMemsetAsync(hc_done_, 0, cuda::kHcRowsTokens * sizeof(unsigned), stream_), "cudaMemset(hc counters)");
     }
 
     ~CudaBackend() override {
@@ -91,6 +93,7 @@ class CudaBackend final : public Backend {
         }
         if (scratch_) cudaFree(scratch_);
         cudaFree(iq2_);
+        cudaFree(hc_done_);
         cudaStreamDestroy(stream_);
         if (uploaded_ > 0)
             log_info("cuda: uploaded {:.2f} GB of weights in {:.1f} s ({:.2f} GB/s)", double(uploaded_) / 1e9,
@@ -353,6 +356,23 @@ class CudaBackend final : public Backend {
         launched("hc_pre");
     }
 
+    void hc_post_pre(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
+                     const Tensor & out, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
+                     float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y) override {
+        const OpScope scope(*this, "hc_post_pre");
+        cuda::HcArgs a = hc_args(out, fn, scale, base, eps_hc, eps_norm, y, false);
+        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024,
+                   "cuda hc_post_pre: normed width {} is more than 12288", a.width);
+        a.norm = norm ? norm.f32() : nullptr;
+        a.iters = iters;
+        a.post = post.f32();
+        a.comb = comb.f32();
+        a.post_streams = streams.f32();
+        a.post_o = o.f32();
+        cuda::hc_mix(a, stream_);
+        launched("hc_post_pre");
+    }
+
     void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
                  const Tensor & out) override {
         const OpScope scope(*this, "hc_post");
@@ -471,6 +491,7 @@ class CudaBackend final : public Backend {
     void router(const Tensor & logits, const Tensor & bias, const Tensor & tid2eid, const Tensor & tokens,
                 float route_scale, const Tensor & experts, const Tensor & weights) override {
         const OpScope scope(*this, "router");
+        DSV4_CHECK(experts.ne[0] <= 32, "cuda router: {} experts per token (at most 32)", experts.ne[0]);
         cuda::router(logits.f32(), bias ? bias.f32() : nullptr, tid2eid ? tid2eid.i32() : nullptr,
                      tokens ? tokens.i32() : nullptr, logits.rows(), logits.ne[0], experts.ne[0], route_scale,
                      experts.i32(), weights.f32(), stream_);
@@ -752,6 +773,7 @@ class CudaBackend final : public Backend {
         a.eps_norm = eps_norm;
         a.head = head;
         a.y = y.f32();
+        a.done = hc_done_;
         const int64_t n_mix = cuda::hc_n_mix(a.hc, head);
         DSV4_CHECK(n_mix <= cuda::kHcMaxMix && a.hc <= 16 && fn.ne[1] == n_mix && fn.ne[0] == a.hc * a.width,
                    "cuda hyper-connections: {} streams of {} (mixing matrix [{}, {}]) are not supported", a.hc, a.width,
@@ -810,6 +832,7 @@ class CudaBackend final : public Backend {
     std::string name_;
     cudaStream_t stream_ = nullptr;
     cuda::Iq2Tables * iq2_ = nullptr;
+    unsigned * hc_done_ = nullptr;  // [kHcRowsTokens]: hc_mix's decode kernel counts its blocks per token here
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;
     // Device bytes held now and at most (cudaMalloc'd buffers, weights, scratch, staging).

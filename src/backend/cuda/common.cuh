@@ -64,6 +64,23 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
     cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// Global -> shared without passing through registers (16 bytes by L2 only, 4 bytes through L1); zeros when src
+// is null.
+__device__ __forceinline__ void cp_async16(void * dst, const void * src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src ? src : dst),
+                 "r"(src ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void * dst, const void * src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
 // Pulls [p, p + bytes) into L2 (a hint: it returns no data, so it is safe on memory being written).
 __device__ __forceinline__ void prefetch_l2(const uint8_t * p, int64_t bytes) {
     const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);

@@ -167,10 +167,10 @@ void hc_expand(const float * x, float * streams, int64_t n, int64_t hc, int64_t 
 // The mixing weights of HCPre (n_mix = (2+hc)·hc) or the head (n_mix = hc): partial sums over chunks of the
 // hc·D stream row, then one block per token finishes (Sinkhorn for HCPre) and writes the weighted stream sum.
 struct HcArgs {
-    const float * streams = nullptr;  // [n, hc, D]
-    WeightRef fn;                     // [hc·D, n_mix]
-    const float * scale = nullptr;    // [3] (pre) or [1] (head)
-    const float * base = nullptr;     // [n_mix]
+    float * streams = nullptr;      // [n, hc, D]; written first when post_streams is given
+    WeightRef fn;                   // [hc·D, n_mix]
+    const float * scale = nullptr;  // [3] (pre) or [1] (head)
+    const float * base = nullptr;   // [n_mix]
     int64_t n = 0, hc = 0, width = 0;
     int iters = 0;
     float eps_hc = 0, eps_norm = 0;
@@ -180,9 +180,16 @@ struct HcArgs {
     float * post = nullptr;        // [n, hc] (pre)
     float * comb = nullptr;        // [n, hc, hc] (pre)
     float * partial = nullptr;     // scratch: hc_partial_floats(n, hc, D, n_mix)
+    // The previous sublayer's HCPost, fused (hc_post_pre): streams = post·o + combᵀ·post_streams per token, with
+    // post and comb read before they are overwritten.
+    const float * post_streams = nullptr;  // [n, hc, D]
+    const float * post_o = nullptr;        // [n, D]
+    unsigned * done = nullptr;             // [kHcRowsTokens], zero between launches: the decode kernel's counters
 };
-// Mixing weights per token (HCPre: (2+hc)·hc; head: hc); hc_mix handles up to kHcMaxMix and hc <= 16.
+// Mixing weights per token (HCPre: (2+hc)·hc; head: hc); hc_mix handles up to kHcMaxMix and hc <= 16. Fewer than
+// kHcRowsTokens tokens take the one-kernel decode path.
 constexpr int64_t kHcMaxMix = 48;
+constexpr int kHcRowsTokens = 16;
 int64_t hc_n_mix(int64_t hc, bool head);
 int64_t hc_partial_floats(int64_t n, int64_t hc, int64_t width, int64_t n_mix);
 void hc_mix(const HcArgs & a, cudaStream_t s);

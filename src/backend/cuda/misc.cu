@@ -197,50 +197,9 @@ __device__ __forceinline__ float fn_element(const WeightRef & w, int64_t r, int6
         return weight_element(w, r, e);
 }
 
-// Partial sums of x·x (double) and fn·x over one chunk (kHcChunk elements) of the hc·D stream rows, two ways.
-// Decode (a few tokens): a thread owns one element and keeps its n_mix mixing weights in registers; the block
-// reduces each product over its warps, token by token. Latency-bound, so the reductions run in parallel.
-static_assert(kHcChunk == kThreadsHc, "a thread owns one element of the chunk");
-
-template <FnKind K>
-__global__ void hc_partial_rows_kernel(HcArgs a, int n_mix) {
-    pdl_begin();
-    __shared__ float red[kThreadsHc / 32][kMaxMix];
-    __shared__ double red_ss[kThreadsHc / 32];
-    const int64_t len = a.hc * a.width;
-    const int64_t chunk = blockIdx.x, e = chunk * kHcChunk + threadIdx.x;
-    const bool inside = e < len;
-    float fn[kMaxMix];
-#pragma unroll
-    for (int r = 0; r < kMaxMix; ++r) fn[r] = inside && r < n_mix ? fn_element<K>(a.fn, r, e) : 0.0f;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t rec = mix_record(n_mix);
-    for (int64_t t = blockIdx.y; t < a.n; t += gridDim.y) {
-        const float v = inside ? a.streams[t * len + e] : 0.0f;
-#pragma unroll
-        for (int r = 0; r < kMaxMix; ++r) {
-            if (r >= n_mix) break;
-            const float s = warp_sum(fn[r] * v);
-            if (lane == 0) red[warp][r] = s;
-        }
-        const double ss = warp_sum(double(v) * double(v));
-        if (lane == 0) red_ss[warp] = ss;
-        __syncthreads();
-        float * out = a.partial + (t * gridDim.x + chunk) * rec;
-        if (threadIdx.x < n_mix) {
-            float s = 0;
-            for (int w = 0; w < int(blockDim.x / 32); ++w) s += red[w][threadIdx.x];
-            out[2 + threadIdx.x] = s;
-        }
-        if (threadIdx.x == 0) {
-            double s = 0;
-            for (int w = 0; w < int(blockDim.x / 32); ++w) s += red_ss[w];
-            *reinterpret_cast<double *>(out) = s;
-        }
-        __syncthreads();
-    }
-}
-
+// Partial sums of x·x (double) and fn·x over one chunk (kHcChunk elements) of the hc·D stream rows, two ways:
+// hc_rows_kernel below for a few tokens (decode), the tiles here for a prefill chunk.
+//
 // Prefill: the chunk's mixing weights and kHcTokensPerBlock tokens' values go to shared memory once. A warp then
 // owns four mixing rows for all 16 tokens: each lane a 4-token × 4-row tile over every eighth column of the chunk,
 // so that each value read from shared memory serves four products (one read per product before), and the eight
@@ -375,10 +334,9 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
     return lane < 16 ? c : 0.0f;
 }
 
-// One block per token: the mixing weights from the chunk sums, Sinkhorn, then y = Σ_h pre_h·stream_h and its norm.
-// The streams are loaded before the mixing weights are known (they do not depend on them), and with hc = 4 warp 0
-// runs Sinkhorn while the other warps compute y: a decode step has one token, so this block is the whole GPU's work
-// between two products and every serial step shows.
+// Prefill's finish, one block per token: the mixing weights from the chunk sums, Sinkhorn, then y = Σ_h
+// pre_h·stream_h and its norm. The streams are loaded before the mixing weights are known (they do not depend on
+// them), and with hc = 4 warp 0 runs Sinkhorn while the other warps compute y.
 constexpr int kHcFinishThreads = 1024, kHcFinishCols = 5;  // columns per thread held in registers (D <= 4960)
 
 __global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
@@ -479,6 +437,196 @@ __global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, i
     ss = warp_sum(lane < kHcFinishThreads / 32 ? red[lane] : 0.0);
     const float scale = 1.0f / sqrtf(float(ss / double(a.width)) + a.eps_norm);
     for (int64_t c = threadIdx.x; c < a.width; c += kHcFinishThreads) y[c] = a.norm[c] * (row[c] * scale);
+}
+
+// Decode (fewer than kHcRowsTokens tokens): one kernel per sublayer boundary, where a partial kernel and a
+// one-block finish ran before (and, for a fused HCPost, a third kernel). A block owns kHcChunk elements of one
+// token's hc·D stream row: it first applies the previous sublayer's HCPost to them when asked (the same sum as
+// hc_post_kernel), then reduces their products with the n_mix mixing rows and their squares into the token's
+// partial record. The block that completes a token's records (a counter per token) does the finish. A decode step
+// has one token, so every step here is serial latency: the fusion saves two launches per boundary, and the weights
+// a block needs (its mixing columns, the scales and biases) are read before it waits for the previous kernel.
+constexpr int kHcRowsCols = 19;  // y columns per thread held in registers: D <= 19 · 224 = 4256 with hc = 4
+
+// The decode kernel's dynamic shared memory: y's row, and the norm's weights where both fit in 48 KB.
+__host__ __device__ inline bool hc_rows_norm_in_smem(int64_t width) { return width * 8 <= 48 * 1024; }
+
+struct HcRowsShared {
+    float red[kThreadsHc / 32][kMaxMix];
+    double red_ss[kThreadsHc / 32];
+    float mix[kMaxMix];
+    float w[16];
+    float comb[256];
+    double ss_total;
+    bool last;
+};
+
+// The finish of token t by the block that completed its records (kThreadsHc threads): the chunk sums in the same
+// order as hc_finish_kernel, the mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its
+// norm on the other warps, which meet at a named barrier that warp 0 does not join.
+__device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t t, float bias, float scale_r,
+                               HcRowsShared & sh) {
+    const int hc = int(a.hc);
+    const int64_t rec = mix_record(n_mix), len = a.hc * a.width;
+    const float * part = a.partial + t * chunks * rec;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+    const bool sinkhorn_warp = !a.head && hc == 4;
+    const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kThreadsHc - y0, yt = int(threadIdx.x) - y0;
+    // Other blocks wrote the records and (fused HCPost) the streams: read through L2, not a stale L1 line.
+    const float * x = a.streams + t * len;
+    const bool in_regs = hc == 4 && a.width <= int64_t(kHcRowsCols) * y_threads;
+    float xs[kHcRowsCols][4];
+    if (in_regs && yt >= 0)
+#pragma unroll
+        for (int j = 0; j < kHcRowsCols; ++j) {
+            const int64_t c = yt + int64_t(j) * y_threads;
+#pragma unroll
+            for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? __ldcg(x + h * a.width + c) : 0.0f;
+        }
+    // The norm's weights travel to shared memory meanwhile (no registers held), each thread's own columns.
+    extern __shared__ float row[];  // [width] y before the norm's scale, then [width] the norm's weights
+    float * norm_w = hc_rows_norm_in_smem(a.width) ? row + a.width : nullptr;
+    if (a.norm && norm_w && yt >= 0) {
+        for (int64_t c = yt; c < a.width; c += y_threads) cp_async4(norm_w + c, a.norm + c);
+        cp_async_commit();
+    }
+    for (int r = warp; r <= n_mix; r += kThreadsHc / 32) {
+        if (r < n_mix) {
+            float s = 0;
+            for (int c = lane; c < chunks; c += 32) s += __ldcg(part + c * rec + 2 + r);
+            s = warp_sum(s);
+            if (lane == 0) sh.mix[r] = s;
+        } else {
+            double ss = 0;
+            for (int c = lane; c < chunks; c += 32) ss += __ldcg(reinterpret_cast<const double *>(part + c * rec));
+            ss = warp_sum(ss);
+            if (lane == 0) sh.ss_total = ss;
+        }
+    }
+    __syncthreads();
+    if (int(threadIdx.x) < n_mix) {
+        const int r = int(threadIdx.x);
+        const float m = sh.mix[r] * (1.0f / sqrtf(float(sh.ss_total / double(len)) + a.eps_norm));
+        if (r < hc)
+            sh.w[r] = sigmoidf_(m * scale_r + bias) + a.eps_hc;
+        else if (r < 2 * hc)
+            a.post[t * hc + r - hc] = 2.0f * sigmoidf_(m * scale_r + bias);
+        else
+            sh.comb[r - 2 * hc] = m * scale_r + bias;
+    }
+    __syncthreads();
+    if (!a.head && hc != 4) {
+        if (threadIdx.x == 0) {
+            sinkhorn(sh.comb, hc, a.iters, a.eps_hc);
+            for (int i = 0; i < hc * hc; ++i) a.comb[t * hc * hc + i] = sh.comb[i];
+        }
+    } else if (sinkhorn_warp && warp == 0) {
+        const float c = sinkhorn4(lane < 16 ? sh.comb[lane] : 0.0f, a.iters, a.eps_hc);
+        if (lane < 16) a.comb[t * 16 + lane] = c;
+        return;
+    }
+    float * y = a.y + t * a.width;
+    // f(j, c, s) for this thread's columns c (the j-th in registers) with their weighted sums s; the sum order over
+    // h is the same either way.
+    auto each_column = [&](auto && f) {
+        if (in_regs) {
+#pragma unroll
+            for (int j = 0; j < kHcRowsCols; ++j) {
+                const int64_t c = yt + int64_t(j) * y_threads;
+                float s = 0;
+#pragma unroll
+                for (int h = 0; h < 4; ++h) s += sh.w[h] * xs[j][h];
+                if (c < a.width) f(j, c, s);
+            }
+        } else {
+            for (int64_t c = yt; c < a.width; c += y_threads) {
+                float s = 0;
+                for (int h = 0; h < hc; ++h) s += sh.w[h] * __ldcg(x + h * a.width + c);
+                f(0, c, s);
+            }
+        }
+    };
+    if (!a.norm) {
+        each_column([&](int, int64_t c, float s) { y[c] = s; });
+        return;
+    }
+    // The sublayer's input norm, as rms_norm_kernel computes it (in double, then scaled in f32); y waits in shared
+    // memory for the scale.
+    double ss = 0;
+    each_column([&](int, int64_t c, float s) {
+        row[c] = s;
+        ss += double(s) * double(s);
+    });
+    ss = warp_sum(ss);
+    if (lane == 0) sh.red_ss[warp] = ss;
+    asm volatile("bar.sync 1, %0;" ::"r"(y_threads) : "memory");
+    ss = 0;
+    for (int i = y0 / 32; i < kThreadsHc / 32; ++i) ss += sh.red_ss[i];
+    const float scale = 1.0f / sqrtf(float(ss / double(a.width)) + a.eps_norm);
+    if (norm_w) cp_async_wait<0>();
+    const float * nw = norm_w ? norm_w : a.norm;
+    for (int64_t c = yt; c < a.width; c += y_threads) y[c] = nw[c] * (row[c] * scale);
+}
+
+template <FnKind K>
+__global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix, int chunks) {
+    static_assert(kHcChunk == kThreadsHc, "a thread owns one element of the chunk");
+    __shared__ HcRowsShared sh;
+    const int64_t len = a.hc * a.width;
+    const int64_t chunk = blockIdx.x, t = blockIdx.y, e = chunk * kHcChunk + threadIdx.x;
+    const bool inside = e < len;
+    const int hc = int(a.hc);
+    float fn[kMaxMix];
+#pragma unroll
+    for (int r = 0; r < kMaxMix; ++r) fn[r] = inside && r < n_mix ? fn_element<K>(a.fn, r, e) : 0.0f;
+    // Thread r's mixing weight's bias and scale, for the finish.
+    const int r = int(threadIdx.x);
+    const float bias = r < n_mix ? a.base[r] : 0.0f;
+    const float scale_r = r < n_mix ? a.scale[a.head ? 0 : min(r / hc, 2)] : 0.0f;
+    pdl_begin();
+    float v = 0.0f;
+    if (inside) {
+        if (a.post_streams) {
+            const int64_t h = e / a.width, c = e % a.width;
+            const float * ct = a.comb + t * hc * hc;
+            float s = a.post[t * hc + h] * a.post_o[t * a.width + c];
+            for (int k = 0; k < hc; ++k) s += ct[k * hc + h] * a.post_streams[(t * hc + k) * a.width + c];
+            a.streams[t * len + e] = v = s;
+        } else {
+            v = a.streams[t * len + e];
+        }
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < kMaxMix; ++i) {
+        if (i >= n_mix) break;
+        const float s = warp_sum(fn[i] * v);
+        if (lane == 0) sh.red[warp][i] = s;
+    }
+    const double ss = warp_sum(double(v) * double(v));
+    if (lane == 0) sh.red_ss[warp] = ss;
+    __syncthreads();
+    const int64_t rec = mix_record(n_mix);
+    float * out = a.partial + (t * chunks + chunk) * rec;
+    if (r < n_mix) {
+        float s = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red[w][r];
+        out[2 + r] = s;
+    }
+    if (r == 0) {
+        double s = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red_ss[w];
+        *reinterpret_cast<double *>(out) = s;
+    }
+    // Every writer's stores are visible device-wide before its block counts itself done.
+    __threadfence();
+    __syncthreads();
+    if (r == 0) {
+        sh.last = atomicAdd(a.done + t, 1u) == unsigned(chunks - 1);
+        if (sh.last) a.done[t] = 0;  // every block of the token has counted: ready for the next launch
+    }
+    __syncthreads();
+    if (sh.last) hc_rows_finish(a, n_mix, chunks, t, bias, scale_r, sh);
 }
 
 // One thread per (token, column), all hc outputs of it: the token's hc stream values of that column come from
@@ -622,7 +770,7 @@ __global__ void __launch_bounds__(kCandThreads) logit_candidates_kernel(const fl
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Router: one warp per token
+// Router: one warp per token (k <= 32 choices)
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kRouterWarps = 4;
 
@@ -642,9 +790,10 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
         score[e] = p[e] + (bias ? bias[e] : 0.0f);
     }
     __syncwarp();
-    int32_t * et = experts + t * k;
+    // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of what this warp just stored.
+    int mine = 0;
     if (tid2eid) {
-        for (int j = lane; j < k; j += 32) et[j] = tid2eid[int64_t(tokens[t]) * k + j];
+        if (lane < k) mine = tid2eid[int64_t(tokens[t]) * k + lane];
     } else {
         // k rounds of arg-max: highest score, ties to the lower id (the CPU's partial_sort order).
         for (int j = 0; j < k; ++j) {
@@ -667,23 +816,20 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
                     best_e = oe;
                 }
             }
-            if (lane == 0) et[j] = best_e == INT_MAX ? 0 : best_e;
+            if (lane == j) mine = best_e == INT_MAX ? 0 : best_e;
             if (best_e != INT_MAX && lane == best_e % 32) score[best_e] = __int_as_float(0x7fffffff);  // NaN: taken
             __syncwarp();
         }
     }
-    __syncwarp();
-    if (lane == 0) {
-        float sum = 0;
-        for (int j = 0; j < k; ++j) {
-            const int e = et[j];
-            sum += (e >= 0 && e < n_expert) ? p[e] : 0.0f;
-        }
-        const float norm = route_scale / (sum + 1e-20f);
-        for (int j = 0; j < k; ++j) {
-            const int e = et[j];
-            weights[t * k + j] = (e >= 0 && e < n_expert) ? p[e] * norm : 0.0f;
-        }
+    const bool valid = lane < k && mine >= 0 && mine < n_expert;
+    const float pe = valid ? p[mine] : 0.0f;
+    // The sum in choice order, as the CPU adds it.
+    float sum = 0;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(kFull, pe, j);
+    const float norm = route_scale / (sum + 1e-20f);
+    if (lane < k) {
+        experts[t * k + lane] = mine;
+        weights[t * k + lane] = pe * norm;
     }
 }
 
@@ -758,29 +904,35 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int n_mix = int(hc_n_mix(a.hc, a.head));
     const int chunks = int((a.hc * a.width + kHcChunk - 1) / kHcChunk);
-    // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
-    const bool tiles = a.n >= kHcTokensPerBlock;
-    const dim3 grid(unsigned(chunks), unsigned(tiles ? (a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock : a.n));
-    const size_t smem = tiles ? hc_tiles_smem(n_mix) : 0;
-    auto go = [&](auto rows_kernel, auto tiles_kernel) {
-        if (tiles)
-            launch(tiles_kernel, grid, dim3(kThreadsHc), smem, s, a, n_mix);
-        else
-            launch(rows_kernel, grid, dim3(kThreadsHc), smem, s, a, n_mix);
+    const size_t row_smem = a.norm ? size_t(a.width) * sizeof(float) : 0;
+    // f(kind) with the mixing matrix's FnKind as a compile-time constant.
+    auto with_fn_kind = [&](auto f) {
+        switch (a.fn.type) {
+            case GgmlType::F16:
+                return f(std::integral_constant<FnKind, FnKind::f16>{});
+            case GgmlType::F32:
+                return f(std::integral_constant<FnKind, FnKind::f32>{});
+            default:
+                return f(std::integral_constant<FnKind, FnKind::any>{});
+        }
     };
-    switch (a.fn.type) {
-        case GgmlType::F16:
-            go(hc_partial_rows_kernel<FnKind::f16>, hc_partial_tiles_kernel<FnKind::f16>);
-            break;
-        case GgmlType::F32:
-            go(hc_partial_rows_kernel<FnKind::f32>, hc_partial_tiles_kernel<FnKind::f32>);
-            break;
-        default:
-            go(hc_partial_rows_kernel<FnKind::any>, hc_partial_tiles_kernel<FnKind::any>);
-            break;
+    // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
+    if (a.n < kHcRowsTokens) {
+        const size_t smem = row_smem * (a.norm && hc_rows_norm_in_smem(a.width) ? 2 : 1);
+        with_fn_kind([&](auto kind) {
+            launch(hc_rows_kernel<decltype(kind)::value>, dim3(unsigned(chunks), unsigned(a.n)), dim3(kThreadsHc), smem,
+                   s, a, n_mix, chunks);
+        });
+        return;
     }
-    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kHcFinishThreads), a.norm ? size_t(a.width) * sizeof(float) : 0,
-           s, a, n_mix, chunks);
+    static_assert(kHcRowsTokens == kHcTokensPerBlock, "the tiles serve every chunk the decode kernel does not");
+    if (a.post_streams) hc_post(a.post_streams, a.post_o, a.post, a.comb, a.streams, a.n, a.hc, a.width, s);
+    with_fn_kind([&](auto kind) {
+        launch(hc_partial_tiles_kernel<decltype(kind)::value>,
+               dim3(unsigned(chunks), unsigned((a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock)), dim3(kThreadsHc),
+               hc_tiles_smem(n_mix), s, a, n_mix);
+    });
+    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kHcFinishThreads), row_smem, s, a, n_mix, chunks);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
