@@ -774,6 +774,7 @@ class CudaBackend final : public Backend {
         a.head = head;
         a.y = y.f32();
         a.done = hc_done_;
+        a.tensor_cores = tensor_cores_;
         const int64_t n_mix = cuda::hc_n_mix(a.hc, head);
         DSV4_CHECK(n_mix <= cuda::kHcMaxMix && a.hc <= 16 && fn.ne[1] == n_mix && fn.ne[0] == a.hc * a.width,
                    "cuda hyper-connections: {} streams of {} (mixing matrix [{}, {}]) are not supported", a.hc, a.width,

@@ -175,6 +175,7 @@ struct HcArgs {
     int iters = 0;
     float eps_hc = 0, eps_norm = 0;
     bool head = false;
+    bool tensor_cores = false;     // prefill partial sums of an F16 mixing matrix on the tensor cores
     const float * norm = nullptr;  // [D]: y is RMS-normed (eps_norm) and scaled by it, when given (pre only)
     float * y = nullptr;           // [n, D]
     float * post = nullptr;        // [n, hc] (pre)

@@ -3,6 +3,8 @@
 // follows the CPU backend's expressions (double sums of squares, the same FP8/FP4 bit rules).
 #include "backend/cuda/common.cuh"
 
+#include <mma.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -278,6 +280,127 @@ __global__ void hc_partial_tiles_kernel(HcArgs a, int n_mix) {
     }
 }
 
+// Prefill with an F16 mixing matrix (every quantized file) on the tensor cores: fn·x of 16 tokens over a chunk as
+// f16 products with f32 sums (WMMA 16×16×16), x split into two f16 parts, hi = f16(x) and lo = f16(x - hi), so a
+// product keeps about 22 of x's 24 bits (fn is f16 already). The block's x is first scaled by a power of two that
+// brings its largest magnitude to [2^14, 2^15), clear of f16's range limit (and of its subnormals, for small
+// values), and the sums scaled back. The FFMA tiles above are bound by their shared-memory reads (an 8K chunk:
+// ~1 ms a call); these by reading x. Warp w takes columns 32w .. 32w + 31 of the chunk for both 16-row tiles of
+// mixing rows; the eight warps' sums meet in shared memory.
+constexpr int kHcTcRows = 32;          // mixing rows, padded to two WMMA tiles (n_mix <= 32)
+constexpr int kHcTcLd = kHcChunk + 8;  // halves per shared row: 16-byte aligned, rows 4 banks apart
+static_assert(kHcChunk == 256 && kThreadsHc == 256 && kHcTokensPerBlock == 16, "the staging and warp layout below");
+
+__global__ void __launch_bounds__(kThreadsHc) hc_partial_tc_kernel(HcArgs a, int n_mix) {
+    using namespace nvcuda;
+    __shared__ __align__(32) half fn_s[kHcTcRows * kHcTcLd];
+    __shared__ __align__(32) half x_s[2][kHcTokensPerBlock * kHcTcLd];  // hi, lo; then the warps' sums
+    __shared__ double ss_s[kHcTokensPerBlock][2];
+    __shared__ float max_s[kThreadsHc / 32];
+    static_assert(sizeof(x_s) >= kThreadsHc / 32 * kHcTokensPerBlock * kHcTcRows * sizeof(float), "sums fit");
+    const int64_t len = a.hc * a.width;
+    const int64_t chunk = blockIdx.x, e0 = chunk * kHcChunk;
+    const int width = int(min(int64_t(kHcChunk), len - e0));
+    const int64_t t0 = int64_t(blockIdx.y) * kHcTokensPerBlock;
+    const int n_tok = int(min(int64_t(kHcTokensPerBlock), a.n - t0));
+    const uint16_t * fn = reinterpret_cast<const uint16_t *>(a.fn.data);
+    // The chunk's mixing columns (weights: before the wait), 8 at a time where the chunk is whole and the rows stay
+    // 16-byte aligned; rows past n_mix and columns past the end zero.
+    const bool whole = width == kHcChunk;
+    if (whole && a.fn.ne0 % 8 == 0 && (reinterpret_cast<uintptr_t>(fn) & 15) == 0) {
+        for (int i = threadIdx.x; i < kHcTcRows * kHcChunk / 8; i += kThreadsHc) {
+            const int r = i / (kHcChunk / 8), c = i % (kHcChunk / 8) * 8;
+            *reinterpret_cast<uint4 *>(fn_s + r * kHcTcLd + c) =
+                r < n_mix ? __ldg(reinterpret_cast<const uint4 *>(fn + r * a.fn.ne0 + e0 + c)) : make_uint4(0, 0, 0, 0);
+        }
+    } else {
+        for (int i = threadIdx.x; i < kHcTcRows * kHcChunk; i += kThreadsHc) {
+            const int r = i / kHcChunk, c = i % kHcChunk;
+            fn_s[r * kHcTcLd + c] = __ushort_as_half(r < n_mix && c < width ? fn[r * a.fn.ne0 + e0 + c] : uint16_t(0));
+        }
+    }
+    pdl_begin();
+    // x: thread i stages columns 4 (i % 64) .. + 3 of tokens i / 64 + 4k, k < 4 (a warp reads 512 contiguous bytes
+    // per load); the sums of squares (double) per token over its two warps.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c4 = threadIdx.x % 64 * 4;
+    const bool vec_x = whole && len % 4 == 0;
+    float v[4][4];
+    double ss[4];
+    float amax = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int t = threadIdx.x / 64 + 4 * k;
+        const float * xr = a.streams + (t0 + t) * len + e0 + c4;
+        if (vec_x) {
+            const float4 f = t < n_tok ? *reinterpret_cast<const float4 *>(xr) : make_float4(0, 0, 0, 0);
+            v[k][0] = f.x, v[k][1] = f.y, v[k][2] = f.z, v[k][3] = f.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[k][j] = t < n_tok && c4 + j < width ? xr[j] : 0.0f;
+        }
+        ss[k] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            ss[k] += double(v[k][j]) * double(v[k][j]);
+            amax = fmaxf(amax, fabsf(v[k][j]));
+        }
+        ss[k] = warp_sum(ss[k]);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) ss_s[threadIdx.x / 64 + 4 * k][warp % 2] = ss[k];
+    amax = warp_max(amax);
+    if (lane == 0) max_s[warp] = amax;
+    __syncthreads();
+    amax = 0;
+    for (int w = 0; w < kThreadsHc / 32; ++w) amax = fmaxf(amax, max_s[w]);
+    const int shift = amax > 0.0f ? 14 - ilogbf(amax) : 0;  // x·2^shift has its largest magnitude in [2^14, 2^15)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int at = (threadIdx.x / 64 + 4 * k) * kHcTcLd + c4 + j;
+            const float xv = ldexpf(v[k][j], shift);
+            const half hi = __float2half_rn(xv);
+            x_s[0][at] = hi;
+            x_s[1][at] = __float2half_rn(xv - __half2float(hi));
+        }
+    __syncthreads();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
+    wmma::fill_fragment(acc[0], 0.0f);
+    wmma::fill_fragment(acc[1], 0.0f);
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+        const int k0 = warp * 32 + ks * 16;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> b[2];
+        wmma::load_matrix_sync(b[0], fn_s + k0, kHcTcLd);
+        wmma::load_matrix_sync(b[1], fn_s + 16 * kHcTcLd + k0, kHcTcLd);
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> xa;
+            wmma::load_matrix_sync(xa, x_s[part] + k0, kHcTcLd);
+            wmma::mma_sync(acc[0], xa, b[0], acc[0]);
+            wmma::mma_sync(acc[1], xa, b[1], acc[1]);
+        }
+    }
+    __syncthreads();
+    float * sums = reinterpret_cast<float *>(x_s);  // [warp][token][row]
+    wmma::store_matrix_sync(sums + warp * kHcTokensPerBlock * kHcTcRows, acc[0], kHcTcRows, wmma::mem_row_major);
+    wmma::store_matrix_sync(sums + warp * kHcTokensPerBlock * kHcTcRows + 16, acc[1], kHcTcRows, wmma::mem_row_major);
+    __syncthreads();
+    const int64_t rec = mix_record(n_mix);
+    auto record = [&](int t) { return a.partial + ((t0 + t) * gridDim.x + chunk) * rec; };
+    for (int i = threadIdx.x; i < kHcTokensPerBlock * kHcTcRows; i += kThreadsHc) {
+        const int t = i / kHcTcRows, r = i % kHcTcRows;
+        if (t >= n_tok || r >= n_mix) continue;
+        float s = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) s += sums[(w * kHcTokensPerBlock + t) * kHcTcRows + r];
+        record(t)[2 + r] = ldexpf(s, -shift);
+    }
+    if (int(threadIdx.x) < n_tok)
+        *reinterpret_cast<double *>(record(threadIdx.x)) = ss_s[threadIdx.x][0] + ss_s[threadIdx.x][1];
+}
+
 // Sinkhorn on hc×hc (source i, destination j), as the CPU backend: row softmax + eps, a column normalisation,
 // then (iters - 1) rounds of row then column normalisation, each denominator plus eps.
 __device__ void sinkhorn(float * c, int hc, int iters, float eps) {
@@ -334,111 +457,6 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
     return lane < 16 ? c : 0.0f;
 }
 
-// Prefill's finish, one block per token: the mixing weights from the chunk sums, Sinkhorn, then y = Σ_h
-// pre_h·stream_h and its norm. The streams are loaded before the mixing weights are known (they do not depend on
-// them), and with hc = 4 warp 0 runs Sinkhorn while the other warps compute y.
-constexpr int kHcFinishThreads = 1024, kHcFinishCols = 5;  // columns per thread held in registers (D <= 4960)
-
-__global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
-    pdl_begin();
-    __shared__ float mix[kMaxMix];
-    __shared__ float w[16];
-    __shared__ float comb[256];
-    __shared__ double red[32];
-    __shared__ double ss_total;
-    const int64_t t = blockIdx.x;
-    const int hc = int(a.hc);
-    const int64_t rec = mix_record(n_mix);
-    const float * part = a.partial + t * chunks * rec;
-    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-    const bool sinkhorn_warp = !a.head && hc == 4;  // warp 0 is busy with Sinkhorn while the others make y
-    const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kHcFinishThreads - y0, yt = int(threadIdx.x) - y0;
-    const float * x = a.streams + t * hc * a.width;
-    const bool in_regs = hc == 4 && a.width <= int64_t(kHcFinishCols) * y_threads;
-    float xs[kHcFinishCols][4];
-    if (in_regs && yt >= 0)
-#pragma unroll
-        for (int j = 0; j < kHcFinishCols; ++j) {
-            const int64_t c = yt + int64_t(j) * y_threads;
-#pragma unroll
-            for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? x[h * a.width + c] : 0.0f;
-        }
-    // A warp per mixing weight (and one for the sum of squares) adds up the chunks: its lanes' loads are
-    // independent, where one thread walking 64 chunks waits for each load in turn.
-    for (int r = warp; r <= n_mix; r += kHcFinishThreads / 32) {
-        if (r < n_mix) {
-            float s = 0;
-            for (int c = lane; c < chunks; c += 32) s += part[c * rec + 2 + r];
-            s = warp_sum(s);
-            if (lane == 0) mix[r] = s;
-        } else {
-            double ss = 0;
-            for (int c = lane; c < chunks; c += 32) ss += *reinterpret_cast<const double *>(part + c * rec);
-            ss = warp_sum(ss);
-            if (lane == 0) ss_total = ss;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const float scale = 1.0f / sqrtf(float(ss_total / double(a.hc * a.width)) + a.eps_norm);
-        for (int r = 0; r < n_mix; ++r) mix[r] *= scale;
-        for (int h = 0; h < hc; ++h) w[h] = sigmoidf_(mix[h] * a.scale[0] + a.base[h]) + a.eps_hc;
-        if (!a.head) {
-            for (int h = 0; h < hc; ++h)
-                a.post[t * hc + h] = 2.0f * sigmoidf_(mix[hc + h] * a.scale[1] + a.base[hc + h]);
-            for (int i = 0; i < hc * hc; ++i) comb[i] = mix[2 * hc + i] * a.scale[2] + a.base[2 * hc + i];
-            if (hc != 4) {
-                sinkhorn(comb, hc, a.iters, a.eps_hc);
-                for (int i = 0; i < hc * hc; ++i) a.comb[t * hc * hc + i] = comb[i];
-            }
-        }
-    }
-    __syncthreads();
-    if (sinkhorn_warp && warp == 0) {
-        const float c = sinkhorn4(lane < 16 ? comb[lane] : 0.0f, a.iters, a.eps_hc);
-        if (lane < 16) a.comb[t * 16 + lane] = c;
-    }
-    float * y = a.y + t * a.width;
-    // f(c, s) for this thread's columns c with their weighted sums s, from registers (an unrolled loop, so that xs
-    // stays in registers) or memory; the sum order over h is the same either way.
-    auto each_column = [&](auto && f) {
-        if (yt < 0) return;
-        if (in_regs) {
-#pragma unroll
-            for (int j = 0; j < kHcFinishCols; ++j) {
-                const int64_t c = yt + int64_t(j) * y_threads;
-                float s = 0;
-#pragma unroll
-                for (int h = 0; h < 4; ++h) s += w[h] * xs[j][h];
-                if (c < a.width) f(c, s);
-            }
-        } else {
-            for (int64_t c = yt; c < a.width; c += y_threads) {
-                float s = 0;
-                for (int h = 0; h < hc; ++h) s += w[h] * x[h * a.width + c];
-                f(c, s);
-            }
-        }
-    };
-    if (!a.norm) {
-        each_column([&](int64_t c, float s) { y[c] = s; });
-        return;
-    }
-    // The sublayer's input norm, as rms_norm_kernel computes it (in double, then scaled in f32).
-    extern __shared__ float row[];  // [width]
-    double ss = 0;
-    each_column([&](int64_t c, float s) {
-        row[c] = s;
-        ss += double(s) * double(s);
-    });
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    ss = warp_sum(lane < kHcFinishThreads / 32 ? red[lane] : 0.0);
-    const float scale = 1.0f / sqrtf(float(ss / double(a.width)) + a.eps_norm);
-    for (int64_t c = threadIdx.x; c < a.width; c += kHcFinishThreads) y[c] = a.norm[c] * (row[c] * scale);
-}
-
 // Decode (fewer than kHcRowsTokens tokens): one kernel per sublayer boundary, where a partial kernel and a
 // one-block finish ran before (and, for a fused HCPost, a third kernel). A block owns kHcChunk elements of one
 // token's hc·D stream row: it first applies the previous sublayer's HCPost to them when asked (the same sum as
@@ -448,7 +466,7 @@ __global__ void __launch_bounds__(kHcFinishThreads) hc_finish_kernel(HcArgs a, i
 // a block needs (its mixing columns, the scales and biases) are read before it waits for the previous kernel.
 constexpr int kHcRowsCols = 19;  // y columns per thread held in registers: D <= 19 · 224 = 4256 with hc = 4
 
-// The decode kernel's dynamic shared memory: y's row, and the norm's weights where both fit in 48 KB.
+// The finish's dynamic shared memory: y's row, and the norm's weights where both fit in 48 KB.
 __host__ __device__ inline bool hc_rows_norm_in_smem(int64_t width) { return width * 8 <= 48 * 1024; }
 
 struct HcRowsShared {
@@ -461,11 +479,22 @@ struct HcRowsShared {
     bool last;
 };
 
-// The finish of token t by the block that completed its records (kThreadsHc threads): the chunk sums in the same
-// order as hc_finish_kernel, the mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its
-// norm on the other warps, which meet at a named barrier that warp 0 does not join.
-__device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t t, float bias, float scale_r,
-                               HcRowsShared & sh) {
+// Thread r's mixing weight's bias and scale (weights: read before the block waits for the previous kernel).
+struct HcMixParam {
+    float bias = 0.0f, scale = 0.0f;
+};
+__device__ __forceinline__ HcMixParam hc_mix_param(const HcArgs & a, int n_mix) {
+    const int r = int(threadIdx.x);
+    if (r >= n_mix) return {};
+    return {a.base[r], a.scale[a.head ? 0 : min(r / int(a.hc), 2)]};
+}
+
+// The finish of token t by one block of kThreadsHc threads: the chunk sums (each by a warp, in a fixed order), the
+// mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its norm on the other warps, which
+// meet at a named barrier that warp 0 does not join. kRegs holds the token's streams in registers (decode: the
+// one block's loads all in flight at once); a prefill's blocks, many per multiprocessor, read them twice instead.
+template <bool kRegs>
+__device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t t, HcMixParam mp, HcRowsShared & sh) {
     const int hc = int(a.hc);
     const int64_t rec = mix_record(n_mix), len = a.hc * a.width;
     const float * part = a.partial + t * chunks * rec;
@@ -474,15 +503,16 @@ __device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t 
     const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kThreadsHc - y0, yt = int(threadIdx.x) - y0;
     // Other blocks wrote the records and (fused HCPost) the streams: read through L2, not a stale L1 line.
     const float * x = a.streams + t * len;
-    const bool in_regs = hc == 4 && a.width <= int64_t(kHcRowsCols) * y_threads;
-    float xs[kHcRowsCols][4];
-    if (in_regs && yt >= 0)
+    const bool in_regs = kRegs && hc == 4 && a.width <= int64_t(kHcRowsCols) * y_threads;
+    float xs[kRegs ? kHcRowsCols : 1][4];
+    if constexpr (kRegs)
+        if (in_regs && yt >= 0)
 #pragma unroll
-        for (int j = 0; j < kHcRowsCols; ++j) {
-            const int64_t c = yt + int64_t(j) * y_threads;
+            for (int j = 0; j < kHcRowsCols; ++j) {
+                const int64_t c = yt + int64_t(j) * y_threads;
 #pragma unroll
-            for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? __ldcg(x + h * a.width + c) : 0.0f;
-        }
+                for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? __ldcg(x + h * a.width + c) : 0.0f;
+            }
     // The norm's weights travel to shared memory meanwhile (no registers held), each thread's own columns.
     extern __shared__ float row[];  // [width] y before the norm's scale, then [width] the norm's weights
     float * norm_w = hc_rows_norm_in_smem(a.width) ? row + a.width : nullptr;
@@ -508,11 +538,11 @@ __device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t 
         const int r = int(threadIdx.x);
         const float m = sh.mix[r] * (1.0f / sqrtf(float(sh.ss_total / double(len)) + a.eps_norm));
         if (r < hc)
-            sh.w[r] = sigmoidf_(m * scale_r + bias) + a.eps_hc;
+            sh.w[r] = sigmoidf_(m * mp.scale + mp.bias) + a.eps_hc;
         else if (r < 2 * hc)
-            a.post[t * hc + r - hc] = 2.0f * sigmoidf_(m * scale_r + bias);
+            a.post[t * hc + r - hc] = 2.0f * sigmoidf_(m * mp.scale + mp.bias);
         else
-            sh.comb[r - 2 * hc] = m * scale_r + bias;
+            sh.comb[r - 2 * hc] = m * mp.scale + mp.bias;
     }
     __syncthreads();
     if (!a.head && hc != 4) {
@@ -529,9 +559,9 @@ __device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t 
     // f(j, c, s) for this thread's columns c (the j-th in registers) with their weighted sums s; the sum order over
     // h is the same either way.
     auto each_column = [&](auto && f) {
-        if (in_regs) {
+        if (kRegs && in_regs) {
 #pragma unroll
-            for (int j = 0; j < kHcRowsCols; ++j) {
+            for (int j = 0; j < (kRegs ? kHcRowsCols : 1); ++j) {
                 const int64_t c = yt + int64_t(j) * y_threads;
                 float s = 0;
 #pragma unroll
@@ -541,7 +571,15 @@ __device__ void hc_rows_finish(const HcArgs & a, int n_mix, int chunks, int64_t 
         } else {
             for (int64_t c = yt; c < a.width; c += y_threads) {
                 float s = 0;
-                for (int h = 0; h < hc; ++h) s += sh.w[h] * __ldcg(x + h * a.width + c);
+                if (hc == 4) {  // the four loads issued together
+                    float v[4];
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) v[h] = __ldcg(x + h * a.width + c);
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) s += sh.w[h] * v[h];
+                } else {
+                    for (int h = 0; h < hc; ++h) s += sh.w[h] * __ldcg(x + h * a.width + c);
+                }
                 f(0, c, s);
             }
         }
@@ -579,10 +617,8 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
     float fn[kMaxMix];
 #pragma unroll
     for (int r = 0; r < kMaxMix; ++r) fn[r] = inside && r < n_mix ? fn_element<K>(a.fn, r, e) : 0.0f;
-    // Thread r's mixing weight's bias and scale, for the finish.
     const int r = int(threadIdx.x);
-    const float bias = r < n_mix ? a.base[r] : 0.0f;
-    const float scale_r = r < n_mix ? a.scale[a.head ? 0 : min(r / hc, 2)] : 0.0f;
+    const HcMixParam mp = hc_mix_param(a, n_mix);
     pdl_begin();
     float v = 0.0f;
     if (inside) {
@@ -626,7 +662,15 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
         if (sh.last) a.done[t] = 0;  // every block of the token has counted: ready for the next launch
     }
     __syncthreads();
-    if (sh.last) hc_rows_finish(a, n_mix, chunks, t, bias, scale_r, sh);
+    if (sh.last) hc_finish_token<true>(a, n_mix, chunks, t, mp, sh);
+}
+
+// Prefill's finish: a block per token.
+__global__ void __launch_bounds__(kThreadsHc) hc_finish_kernel(HcArgs a, int n_mix, int chunks) {
+    __shared__ HcRowsShared sh;
+    const HcMixParam mp = hc_mix_param(a, n_mix);
+    pdl_begin();
+    hc_finish_token<false>(a, n_mix, chunks, blockIdx.x, mp, sh);
 }
 
 // One thread per (token, column), all hc outputs of it: the token's hc stream values of that column come from
@@ -904,7 +948,8 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int n_mix = int(hc_n_mix(a.hc, a.head));
     const int chunks = int((a.hc * a.width + kHcChunk - 1) / kHcChunk);
-    const size_t row_smem = a.norm ? size_t(a.width) * sizeof(float) : 0;
+    // The finish's dynamic shared memory: y's row (normed y only), and the norm's weights where both fit.
+    const size_t finish_smem = a.norm ? size_t(a.width) * sizeof(float) * (hc_rows_norm_in_smem(a.width) ? 2 : 1) : 0;
     // f(kind) with the mixing matrix's FnKind as a compile-time constant.
     auto with_fn_kind = [&](auto f) {
         switch (a.fn.type) {
@@ -918,21 +963,23 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     };
     // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
     if (a.n < kHcRowsTokens) {
-        const size_t smem = row_smem * (a.norm && hc_rows_norm_in_smem(a.width) ? 2 : 1);
         with_fn_kind([&](auto kind) {
-            launch(hc_rows_kernel<decltype(kind)::value>, dim3(unsigned(chunks), unsigned(a.n)), dim3(kThreadsHc), smem,
-                   s, a, n_mix, chunks);
+            launch(hc_rows_kernel<decltype(kind)::value>, dim3(unsigned(chunks), unsigned(a.n)), dim3(kThreadsHc),
+                   finish_smem, s, a, n_mix, chunks);
         });
         return;
     }
     static_assert(kHcRowsTokens == kHcTokensPerBlock, "the tiles serve every chunk the decode kernel does not");
     if (a.post_streams) hc_post(a.post_streams, a.post_o, a.post, a.comb, a.streams, a.n, a.hc, a.width, s);
-    with_fn_kind([&](auto kind) {
-        launch(hc_partial_tiles_kernel<decltype(kind)::value>,
-               dim3(unsigned(chunks), unsigned((a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock)), dim3(kThreadsHc),
-               hc_tiles_smem(n_mix), s, a, n_mix);
-    });
-    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kHcFinishThreads), row_smem, s, a, n_mix, chunks);
+    const dim3 tiles(unsigned(chunks), unsigned((a.n + kHcTokensPerBlock - 1) / kHcTokensPerBlock));
+    if (a.tensor_cores && a.fn.type == GgmlType::F16 && n_mix <= kHcTcRows)
+        launch(hc_partial_tc_kernel, tiles, dim3(kThreadsHc), 0, s, a, n_mix);
+    else
+        with_fn_kind([&](auto kind) {
+            launch(hc_partial_tiles_kernel<decltype(kind)::value>, tiles, dim3(kThreadsHc), hc_tiles_smem(n_mix), s, a,
+                   n_mix);
+        });
+    launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kThreadsHc), finish_smem, s, a, n_mix, chunks);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
