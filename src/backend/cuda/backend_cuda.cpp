@@ -345,14 +345,7 @@ class CudaBackend final : public Backend {
                 float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
                 const Tensor & comb) override {
         const OpScope scope(*this, "hc_pre");
-        cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, y, false);
-        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024, "cuda hc_pre: normed width {} is more than 12288",
-                   a.width);
-        a.norm = norm ? norm.f32() : nullptr;
-        a.iters = iters;
-        a.post = post.f32();
-        a.comb = comb.f32();
-        cuda::hc_mix(a, stream_);
+        cuda::hc_mix(hc_pre_args(streams, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb), stream_);
         launched("hc_pre");
     }
 
@@ -360,13 +353,7 @@ class CudaBackend final : public Backend {
                      const Tensor & out, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
                      float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y) override {
         const OpScope scope(*this, "hc_post_pre");
-        cuda::HcArgs a = hc_args(out, fn, scale, base, eps_hc, eps_norm, y, false);
-        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024,
-                   "cuda hc_post_pre: normed width {} is more than 12288", a.width);
-        a.norm = norm ? norm.f32() : nullptr;
-        a.iters = iters;
-        a.post = post.f32();
-        a.comb = comb.f32();
+        cuda::HcArgs a = hc_pre_args(out, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb);
         a.post_streams = streams.f32();
         a.post_o = o.f32();
         cuda::hc_mix(a, stream_);
@@ -757,6 +744,19 @@ class CudaBackend final : public Backend {
         }
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
+    }
+
+    cuda::HcArgs hc_pre_args(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
+                             int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y,
+                             const Tensor & post, const Tensor & comb) {
+        cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, y, false);
+        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024, "cuda hc_pre: normed width {} is more than 12288",
+                   a.width);
+        a.norm = norm ? norm.f32() : nullptr;
+        a.iters = iters;
+        a.post = post.f32();
+        a.comb = comb.f32();
+        return a;
     }
 
     cuda::HcArgs hc_args(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,

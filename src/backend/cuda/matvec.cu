@@ -764,7 +764,8 @@ template <int NT, bool GLU, class... Us>
 void launch_kernel(MatvecArgs a, dim3 grid, size_t smem, cudaStream_t s) {
     const auto kernel = matvec_kernel<NT, GLU, Us...>;
     if (a.pair_experts) {
-        // Blocks per multiprocessor: registers and shared memory of this kernel (the tables only at NT = 1).
+        // Blocks per multiprocessor: registers and shared memory of this kernel (the tables only at NT = 1), asked
+        // once per process (its GPUs are of one kind).
         static const int per_sm = [&] {
             int b = 0;
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kThreads, smem);

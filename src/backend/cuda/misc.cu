@@ -492,7 +492,7 @@ __device__ __forceinline__ HcMixParam hc_mix_param(const HcArgs & a, int n_mix) 
 // The finish of token t by one block of kThreadsHc threads: the chunk sums (each by a warp, in a fixed order), the
 // mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its norm on the other warps, which
 // meet at a named barrier that warp 0 does not join. kRegs holds the token's streams in registers (decode: the
-// one block's loads all in flight at once); a prefill's blocks, many per multiprocessor, read them twice instead.
+// one block's loads all in flight at once); a prefill's blocks, many per multiprocessor, load them as they go.
 template <bool kRegs>
 __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t t, HcMixParam mp, HcRowsShared & sh) {
     const int hc = int(a.hc);
@@ -556,8 +556,8 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
         return;
     }
     float * y = a.y + t * a.width;
-    // f(j, c, s) for this thread's columns c (the j-th in registers) with their weighted sums s; the sum order over
-    // h is the same either way.
+    // f(c, s) for this thread's columns c with their weighted sums s, from registers (an unrolled loop, so that xs
+    // stays in registers) or memory; the sum order over h is the same either way.
     auto each_column = [&](auto && f) {
         if (kRegs && in_regs) {
 #pragma unroll
@@ -566,7 +566,7 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
                 float s = 0;
 #pragma unroll
                 for (int h = 0; h < 4; ++h) s += sh.w[h] * xs[j][h];
-                if (c < a.width) f(j, c, s);
+                if (c < a.width) f(c, s);
             }
         } else {
             for (int64_t c = yt; c < a.width; c += y_threads) {
@@ -580,18 +580,18 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
                 } else {
                     for (int h = 0; h < hc; ++h) s += sh.w[h] * __ldcg(x + h * a.width + c);
                 }
-                f(0, c, s);
+                f(c, s);
             }
         }
     };
     if (!a.norm) {
-        each_column([&](int, int64_t c, float s) { y[c] = s; });
+        each_column([&](int64_t c, float s) { y[c] = s; });
         return;
     }
     // The sublayer's input norm, as rms_norm_kernel computes it (in double, then scaled in f32); y waits in shared
     // memory for the scale.
     double ss = 0;
-    each_column([&](int, int64_t c, float s) {
+    each_column([&](int64_t c, float s) {
         row[c] = s;
         ss += double(s) * double(s);
     });
