@@ -365,8 +365,18 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
             refresh_text(*slot);
             const std::vector<int32_t> & t = slot->session->tokens();
             if (int64_t(t.size()) <= best.reused) continue;
-            for (const std::string * key : {&slot->text, &slot->alias}) {
-                if (!starts_with(prompt_text, *key)) continue;
+            for (const std::string * raw : {&slot->text, &slot->alias}) {
+                // Bytes that are not UTF-8 (a reply cut inside a character) reached the client as U+FFFD, and the
+                // history it sends back holds that: compare as streamed when the bytes themselves do not match.
+                std::string streamed;
+                const std::string * key = raw;
+                if (!starts_with(prompt_text, *raw)) {
+                    Utf8StreamDecoder utf8(tokenizer_);
+                    streamed = utf8.push_bytes(*raw);
+                    streamed += utf8.finish();  // after the bytes: an unfinished character at the end is U+FFFD
+                    if (streamed == *raw || !starts_with(prompt_text, streamed)) continue;
+                    key = &streamed;
+                }
                 std::optional<std::vector<TextPiece>> rest = pieces_after(req.pieces, key->size());
                 if (!rest) continue;
                 std::vector<int32_t> tokens = t;

@@ -5,7 +5,8 @@
 //   1. live, token prefix: a session whose tokens are a prefix of the prompt's tokens (extend it);
 //   2. live, text prefix: a session whose decoded text, or its visible alias (below), is a byte prefix of the
 //      rendered prompt: the session's own tokens are kept and only the rest of the prompt is tokenized, so a
-//      history that re-tokenizes differently from what was sampled (BPE merges across the turn boundary) still hits;
+//      history that re-tokenizes differently from what was sampled (BPE merges across the turn boundary) still hits,
+//      and so does one whose reply was cut inside a character (the text compared as it streamed, with U+FFFD);
 //   3. disk: the longest disk snapshot whose key text is a prefix of the prompt (KvDiskCache), restored into the
 //      least recently used session;
 //   4. cold: the least recently used session is cleared and the whole prompt is prefilled.

@@ -325,6 +325,44 @@ TEST(Scheduler, ReusesByRenderedTextWhenTheTokensDiffer) {
     EXPECT_EQ(out.last.usage.cached_tokens, int64_t(p1.size() + 2));
 }
 
+TEST(Scheduler, ReusesByTextWhenTheReplyWasCutInsideACharacter) {
+    // The length limit cuts the reply inside "中" (E4 B8 AD), sampled as single bytes: the client saw U+FFFD for the
+    // unfinished character (the stream's rule) and sends that back in its history, while the session holds the byte
+    // E4 (every sampled token but the last was evaluated). Before the text was compared as streamed, nothing of the
+    // session could serve the next prompt.
+    const std::vector<int32_t> p1 = ids("Hello");
+    std::vector<int32_t> sampled = ids(" caf");
+    for (std::string_view byte_char : {"\xC3\xA4", "\xC2\xB8"}) {  // the bytes E4, B8 in the byte-level alphabet
+        sampled.push_back(vocab().token_id(byte_char));
+        ASSERT_GE(sampled.back(), 0);
+    }
+    ASSERT_EQ(vocab().token_bytes(sampled[sampled.size() - 2]), "\xE4");
+    FakeEngine engine(reply_with(sampled, p1.size()));
+    Scheduler s(engine, {});
+    GenerationRequest r1 = greedy(p1, int64_t(sampled.size()));
+    r1.pieces = {{"Hello", false}};
+    const Result first = drain(*s.submit(r1));
+    EXPECT_EQ(first.text, " caf\xEF\xBF\xBD");
+    EXPECT_EQ(first.last.finish, FinishReason::length);
+
+    GenerationRequest r2 = greedy({}, 1);
+    r2.pieces = {
+        {"Hello" + first.text, false}, {std::string(kEosText), true}, {std::string(kUserText), true}, {"more", false}};
+    r2.prompt = vocab().encode_pieces(r2.pieces);
+    Result out = drain(*s.submit(r2));
+    EXPECT_EQ(out.last.usage.cache_source, "live-text");
+    EXPECT_EQ(out.last.usage.cached_tokens, int64_t(p1.size() + sampled.size() - 1));
+
+    // The session went on from the U+FFFD: its text as streamed is the second prompt's (not the cut bytes followed by
+    // a second U+FFFD), so the next turn extends all of it.
+    GenerationRequest r3 = greedy({}, 1);
+    r3.pieces = r2.pieces;
+    r3.pieces.push_back({" again", false});
+    r3.prompt = vocab().encode_pieces(r3.pieces);
+    Result again = drain(*s.submit(r3));
+    EXPECT_EQ(again.last.usage.cached_tokens, out.last.usage.prompt_tokens);
+}
+
 TEST(Scheduler, VisibleAliasServesTheClientsRenderingOfTheSameState) {
     const std::vector<int32_t> p1 = ids("Q1");
     FakeEngine engine(reply_with(ids("hidden reasoning then answer"), p1.size()));
