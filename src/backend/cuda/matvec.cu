@@ -756,6 +756,12 @@ size_t quant_smem(GgmlType t, int nt, int64_t k) {
     return tables_smem(t) + (nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0);
 }
 
+// Row groups of a target of `rows` rows: a block's warps take kRowsPerWarp rows each, split warps sharing one.
+int64_t row_blocks(int64_t rows, int split) {
+    const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
+    return (rows + per_block - 1) / per_block;
+}
+
 // A decode step's experts (a block per row group and (token, expert) pair, one target) run in one wave: each block
 // loops over the fewest row groups that let every block be resident at once. (Row blocks capped at 8 per
 // multiprocessor left the IQ2_XXS gate/up at 1.45 waves and the Q2_K down at 2.7; one wave of two and four row groups
@@ -772,8 +778,7 @@ void launch_kernel(MatvecArgs a, dim3 grid, size_t smem, cudaStream_t s) {
             return std::max(b, 1);
         }();
         const int64_t resident = int64_t(per_sm) * device_sms(), pairs = grid.y;
-        const int64_t per_block = int64_t(kWarps / a.split) * kRowsPerWarp;
-        const int64_t groups = (a.t[0].rows + per_block - 1) / per_block;
+        const int64_t groups = row_blocks(a.t[0].rows, a.split);
         int64_t rounds = 1;
         while (rounds < groups && (groups + rounds - 1) / rounds * pairs > resident) ++rounds;
         a.t[0].blocks = int((groups + rounds - 1) / rounds);
@@ -861,10 +866,6 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
     // target cost the kernels registers: the IQ2_XXS gate/up went from 64 to 100 and lost half its blocks per
     // multiprocessor). Then, for few rows (small projections at decode), the split grows until the launch has
     // about two blocks per multiprocessor.
-    auto row_blocks = [&](int64_t rows, int split) {
-        const int64_t per_block = int64_t(kWarps / split) * kRowsPerWarp;
-        return (rows + per_block - 1) / per_block;
-    };
     auto total_blocks = [&](int split) {
         int64_t b = 0;
         for (int i = 0; i < a.n_targets; ++i) b += row_blocks(a.t[i].rows, split);
