@@ -33,6 +33,10 @@ __device__ __forceinline__ void pdl_begin() {
 }
 
 bool pdl_enabled();
+// DSV4_CUDA_SKIP=a,b: kernels whose demangled name contains a or b are not launched. The results are then wrong; it
+// exists to measure what a kernel costs inside a decode step's graph (the step's time without it), which Nsight's
+// serialized per-kernel times overstate for short kernels.
+bool launch_skipped(const void * kernel);
 
 // Attribute A of the current device, read once per device: launches size their grids and tiles by them. At least
 // `floor`; `fallback` for a device number past the cache.
@@ -50,6 +54,7 @@ inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&... args) {
+    if (launch_skipped(reinterpret_cast<const void *>(kernel))) return;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

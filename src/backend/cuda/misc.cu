@@ -5,10 +5,18 @@
 
 #include <mma.h>
 
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
 
 namespace dsv4::cuda {
 
@@ -18,6 +26,36 @@ bool pdl_enabled() {
         return !e || std::strcmp(e, "0") != 0;
     }();
     return on;
+}
+
+bool launch_skipped(const void * kernel) {
+    static const std::vector<std::string> patterns = [] {
+        std::vector<std::string> v;
+        const char * e = std::getenv("DSV4_CUDA_SKIP");
+        for (std::string_view rest = e ? e : ""; !rest.empty();) {
+            const size_t comma = rest.find(',');
+            if (comma != 0) v.emplace_back(rest.substr(0, comma));
+            rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+        }
+        return v;
+    }();
+    if (patterns.empty()) return false;
+    static std::mutex mu;
+    static std::unordered_map<const void *, bool> known;
+    const std::lock_guard<std::mutex> lock(mu);
+    if (const auto it = known.find(kernel); it != known.end()) return it->second;
+    const char * mangled = nullptr;
+    std::string name;
+    if (cudaFuncGetName(&mangled, kernel) == cudaSuccess && mangled) {
+        int status = 0;
+        char * d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+        name = status == 0 && d ? d : mangled;
+        std::free(d);
+    }
+    bool skip = false;
+    for (const std::string & p : patterns) skip = skip || name.find(p) != std::string::npos;
+    if (skip) std::fprintf(stderr, "cuda: DSV4_CUDA_SKIP: not launching %s\n", name.c_str());
+    return known[kernel] = skip;
 }
 
 BlockSplit block_split(GgmlType type) {
