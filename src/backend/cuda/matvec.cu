@@ -167,7 +167,17 @@ struct Tables {
     const uint64_t * grid;  // IQ2_XXS, in shared memory
 };
 
-__device__ __forceinline__ int4 ldg16(const uint8_t * p) { return __ldg(reinterpret_cast<const int4 *>(p)); }
+// Weights are read once per step: first in line for eviction from L2 (the activations, streams and KV rows that the
+// next kernels read stay), and not kept in L1.
+__device__ __forceinline__ int4 ldg16(const uint8_t * p) {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    int4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(policy));
+    return v;
+}
 __device__ __forceinline__ int dp4(int4 w, int4 a, int s) {
     s = __dp4a(w.x, a.x, s);
     s = __dp4a(w.y, a.y, s);
@@ -242,25 +252,35 @@ struct Iq2XxsUnit {
         q = ldg16(w.data + gb * 64 + (u & 3) * 16);
         d = __ldg(reinterpret_cast<const unsigned short *>(w.data + w.n_blocks * 64) + gb);
     }
+    // Byte masks (0xff where the sign is negative) from four sign bits on bits 7, 15, 23 and 31: prmt's
+    // sign-replicating selectors (8 + byte) spread each byte's top bit over the byte.
+    static __device__ __forceinline__ uint32_t sign_masks(uint32_t top_bits) {
+        uint32_t m;
+        asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(top_bits));
+        return m;
+    }
     static __device__ __forceinline__ int sub_block(uint32_t idx, uint32_t sgn, int4 a0, int4 a1, const Tables & t) {
-        int s = 0;
+        // sum over the 32 values of grid * sign * a = (all grid * a) - 2 (grid * a where the sign is negative):
+        // an AND per word instead of a negation (XOR, AND, ADD).
+        int all = 0, neg = 0;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             const uint64_t g = t.grid[(idx >> (8 * kk)) & 255];
-            // The eight signs: seven stored bits and their parity (an even count of negatives), spread to byte
-            // masks (bit e -> 0xff in byte e) by arithmetic rather than a second table lookup.
-            const uint32_t s7 = (sgn >> (7 * kk)) & 127, s8 = s7 | ((__popc(s7) & 1) << 7);
-            const uint32_t mlo = (((s8 & 15) * 0x00204081u) & 0x01010101u) * 0xffu;
-            const uint32_t mhi = (((s8 >> 4) * 0x00204081u) & 0x01010101u) * 0xffu;
+            // Seven stored sign bits and their parity (an even count of negatives) as the eighth: a multiply by
+            // 0x10204080 moves bit j of four bits to bit 8j + 7 (its terms do not overlap, so nothing carries), and
+            // the parity goes straight to bit 31.
+            const uint32_t s7 = (sgn >> (7 * kk)) & 127;
+            const uint32_t mlo = sign_masks((s7 & 15) * 0x10204080u);
+            const uint32_t mhi = sign_masks((s7 >> 4) * 0x10204080u | (__popc(s7) << 31));
             const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32);
-            // Negation per byte: (g ^ 0xff) + 1 = -g; magnitudes are 8..43, so no byte carries.
-            const int vlo = int((glo ^ mlo) + (mlo & 0x01010101u));
-            const int vhi = int((ghi ^ mhi) + (mhi & 0x01010101u));
             const int4 & a = kk < 2 ? a0 : a1;
-            s = __dp4a(vlo, (kk & 1) ? a.z : a.x, s);
-            s = __dp4a(vhi, (kk & 1) ? a.w : a.y, s);
+            const int alo = (kk & 1) ? a.z : a.x, ahi = (kk & 1) ? a.w : a.y;
+            all = __dp4a(int(glo), alo, all);
+            all = __dp4a(int(ghi), ahi, all);
+            neg = __dp4a(int(glo & mlo), alo, neg);
+            neg = __dp4a(int(ghi & mhi), ahi, neg);
         }
-        return s * int(2 * (sgn >> 28) + 1);
+        return (all - 2 * neg) * int(2 * (sgn >> 28) + 1);
     }
     __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables & t) const {
         const int8_t * aq = a.q + size_t(ti) * k;
