@@ -504,7 +504,7 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
 // a block needs (its mixing columns, the scales and biases) are read before it waits for the previous kernel.
 constexpr int kHcRowsCols = 19;  // y columns per thread held in registers: D <= 19 · 224 = 4256 with hc = 4
 
-// The finish's dynamic shared memory: y's row, and the norm's weights where both fit in 48 KB.
+// The norm's weights join y's row in the finish's dynamic shared memory when both fit in 48 KB.
 __host__ __device__ inline bool hc_rows_norm_in_smem(int64_t width) { return width * 8 <= 48 * 1024; }
 
 struct HcRowsShared {
@@ -527,8 +527,8 @@ __device__ __forceinline__ HcMixParam hc_mix_param(const HcArgs & a, int n_mix) 
     return {a.base[r], a.scale[a.head ? 0 : min(r / int(a.hc), 2)]};
 }
 
-// The finish of token t by one block of kThreadsHc threads: the chunk sums (each by a warp, in a fixed order), the
-// mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its norm on the other warps, which
+// The finish of token t by one block of kThreadsHc threads: the chunk sums (from shared memory, in a fixed order),
+// the mixing weights a thread each, then Sinkhorn on warp 0 (hc = 4) beside y and its norm on the other warps, which
 // meet at a named barrier that warp 0 does not join. kRegs holds the token's streams in registers (decode: the
 // one block's loads all in flight at once); a prefill's blocks, many per multiprocessor, load them as they go.
 template <bool kRegs>
@@ -539,7 +539,27 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
     const bool sinkhorn_warp = !a.head && hc == 4;
     const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kThreadsHc - y0, yt = int(threadIdx.x) - y0;
-    // Other blocks wrote the records and (fused HCPost) the streams: read through L2, not a stale L1 line.
+    // Other blocks wrote the records and (fused HCPost) the streams: read through L2, not a stale L1 line. The
+    // records come first, in one batch of coalesced loads (7 a thread for V4) issued before the streams' loads so
+    // that they do not queue behind them (a warp per mixing row, loading as it summed, took 3 µs of a decode step).
+    extern __shared__ __align__(16) float smem_f[];
+    float * recs = smem_f;                // [chunks][rec] the partial records
+    float * row = smem_f + chunks * rec;  // [width] y before the norm's scale (normed y only)
+    float * norm_w = a.norm && hc_rows_norm_in_smem(a.width) ? row + a.width : nullptr;  // the norm's weights
+    const int total = chunks * int(rec);
+    for (int i0 = 0; i0 < total; i0 += 8 * kThreadsHc) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * kThreadsHc + int(threadIdx.x);
+            v[j] = i < total ? __ldcg(part + i) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int i = i0 + j * kThreadsHc + int(threadIdx.x);
+            if (i < total) recs[i] = v[j];
+        }
+    }
     const float * x = a.streams + t * len;
     const bool in_regs = kRegs && hc == 4 && a.width <= int64_t(kHcRowsCols) * y_threads;
     float xs[kRegs ? kHcRowsCols : 1][4];
@@ -552,24 +572,32 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
                 for (int h = 0; h < 4; ++h) xs[j][h] = c < a.width ? __ldcg(x + h * a.width + c) : 0.0f;
             }
     // The norm's weights travel to shared memory meanwhile (no registers held), each thread's own columns.
-    extern __shared__ float row[];  // [width] y before the norm's scale, then [width] the norm's weights
-    float * norm_w = hc_rows_norm_in_smem(a.width) ? row + a.width : nullptr;
-    if (a.norm && norm_w && yt >= 0) {
+    if (norm_w && yt >= 0) {
         for (int64_t c = yt; c < a.width; c += y_threads) cp_async4(norm_w + c, a.norm + c);
         cp_async_commit();
     }
-    for (int r = warp; r <= n_mix; r += kThreadsHc / 32) {
-        if (r < n_mix) {
-            float s = 0;
-            for (int c = lane; c < chunks; c += 32) s += __ldcg(part + c * rec + 2 + r);
-            s = warp_sum(s);
-            if (lane == 0) sh.mix[r] = s;
-        } else {
-            double ss = 0;
-            for (int c = lane; c < chunks; c += 32) ss += __ldcg(reinterpret_cast<const double *>(part + c * rec));
-            ss = warp_sum(ss);
-            if (lane == 0) sh.ss_total = ss;
-        }
+    __syncthreads();
+    // Each row's sum over the chunks in a fixed order: warp w sums chunks w, w + 8, ... (a lane per row, the last
+    // lane also the squares' double), then one thread per row adds the eight.
+    for (int r = lane; r < n_mix; r += 32) {
+        float s = 0;
+        for (int c = warp; c < chunks; c += kThreadsHc / 32) s += recs[c * rec + 2 + r];
+        sh.red[warp][r] = s;
+    }
+    if (lane == 31) {
+        double ss = 0;
+        for (int c = warp; c < chunks; c += kThreadsHc / 32) ss += *reinterpret_cast<const double *>(recs + c * rec);
+        sh.red_ss[warp] = ss;
+    }
+    __syncthreads();
+    if (int(threadIdx.x) < n_mix) {
+        float s = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red[w][threadIdx.x];
+        sh.mix[threadIdx.x] = s;
+    } else if (threadIdx.x == kThreadsHc - 1) {
+        double ss = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) ss += sh.red_ss[w];
+        sh.ss_total = ss;
     }
     __syncthreads();
     if (int(threadIdx.x) < n_mix) {
@@ -986,8 +1014,11 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int n_mix = int(hc_n_mix(a.hc, a.head));
     const int chunks = int((a.hc * a.width + kHcChunk - 1) / kHcChunk);
-    // The finish's dynamic shared memory: y's row (normed y only), and the norm's weights where both fit.
-    const size_t finish_smem = a.norm ? size_t(a.width) * sizeof(float) * (hc_rows_norm_in_smem(a.width) ? 2 : 1) : 0;
+    // The finish's dynamic shared memory: the token's partial records, y's row (normed y only), and the norm's
+    // weights where they fit.
+    const size_t finish_smem = (size_t(chunks) * size_t(mix_record(n_mix)) +
+                                (a.norm ? size_t(a.width) * (hc_rows_norm_in_smem(a.width) ? 2 : 1) : 0)) *
+                               sizeof(float);
     // f(kind) with the mixing matrix's FnKind as a compile-time constant.
     auto with_fn_kind = [&](auto f) {
         switch (a.fn.type) {
