@@ -271,7 +271,7 @@ struct Iq2XxsUnit {
             // the parity goes straight to bit 31.
             const uint32_t s7 = (sgn >> (7 * kk)) & 127;
             const uint32_t mlo = sign_masks((s7 & 15) * 0x10204080u);
-            const uint32_t mhi = sign_masks((s7 >> 4) * 0x10204080u | (__popc(s7) << 31));
+            const uint32_t mhi = sign_masks((s7 >> 4) * 0x10204080u | (uint32_t(__popc(s7)) << 31));
             const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32);
             const int4 & a = kk < 2 ? a0 : a1;
             const int alo = (kk & 1) ? a.z : a.x, ahi = (kk & 1) ? a.w : a.y;

@@ -541,7 +541,7 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
     const int y0 = sinkhorn_warp ? 32 : 0, y_threads = kThreadsHc - y0, yt = int(threadIdx.x) - y0;
     // Other blocks wrote the records and (fused HCPost) the streams: read through L2, not a stale L1 line. The
     // records come first, in one batch of coalesced loads (7 a thread for V4) issued before the streams' loads so
-    // that they do not queue behind them (a warp per mixing row, loading as it summed, took 3 µs of a decode step).
+    // that they do not queue behind them (a warp per mixing row, loading as it summed, took 3 µs of each boundary).
     extern __shared__ __align__(16) float smem_f[];
     float * recs = smem_f;                // [chunks][rec] the partial records
     float * row = smem_f + chunks * rec;  // [width] y before the norm's scale (normed y only)
