@@ -83,6 +83,14 @@ struct CompressedRows {
 constexpr int kCandidateBinsPerNat = 32;  // logit_candidates: bin width 1/32 nat
 constexpr int kCandidateBins = 1024;      // over 32 nats below the maximum
 
+// One tensor of norm_rope.
+struct NormRopeTarget {
+    Tensor x;              // F32 [n, heads, width], in place
+    Tensor gamma;          // F32 [width], or none
+    int64_t fp8_dims = 0;  // FP8 round trip of channels [0, fp8_dims) after the rotation
+    Tensor ring;           // [ring_rows, heads·width], or none
+};
+
 struct MatmulTarget {
     Tensor w;  // [in, out_i], any weight type
     Tensor y;  // F32 [n, out_i]
@@ -136,12 +144,13 @@ class Backend {
     // The shared expert's activation, down projection and sum with the routed experts in one op.
     virtual void swiglu_matmul_add(const Tensor & w, const Tensor & gate, const Tensor & up, float limit,
                                    const Tensor & add, const Tensor & y) = 0;
-    // In place on x [n, heads, width], per head row: RMSNorm (· gamma [width] when given), RoPE of the last
-    // rope.n_rot channels by positions[t], then, when fp8_dims > 0, the FP8 round trip of channels [0, fp8_dims)
-    // (fp8_roundtrip); when ring [ring_rows, heads·width] is given, token t's rows are also written at slot
-    // positions[t] mod ring_rows (store_rows). The query heads, and the K=V row on its way into the raw window.
-    virtual void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope,
-                           const Tensor & positions, int64_t fp8_dims, const Tensor & ring) = 0;
+    // In place on every target's x [n, heads, width], per head row: RMSNorm (· gamma [width] when given), RoPE of
+    // the last rope.n_rot channels by positions[t], then, when fp8_dims > 0, the FP8 round trip of channels
+    // [0, fp8_dims) (fp8_roundtrip); when ring [ring_rows, heads·width] is given, token t's rows are also written at
+    // slot positions[t] mod ring_rows (store_rows). The query heads and the K=V row on its way into the raw window,
+    // in one call (a device backend runs them as one dependent step).
+    virtual void norm_rope(std::span<const NormRopeTarget> targets, float eps, const RopeSpec & rope,
+                           const Tensor & positions) = 0;
 
     // ---- numerics of DeepSeek's official inference code (the "official" mode) --------------------------------
     // In place, per row of x [n, width]: FP8 E4M3 round trip of channels [0, n_dims) in blocks of 64 with a
@@ -200,9 +209,12 @@ class Backend {
                                 int64_t ratio, float key_scale, const Tensor & selected) = 0;
     // Sink attention of queries q [n, H, d] (query t at position p = positions[t]) over the raw window (positions
     // (p - window, p], stored at slot position mod ring in raw [ring, d]) and the compressed rows; K = V; one
-    // softmax per head with the sink logit sinks[h] in the denominator only. out [n, H, d].
+    // softmax per head with the sink logit sinks[h] in the denominator only. out [n, H, d]. With unrotate, each
+    // head's output is then turned back by its query's angle, as rope(out, *unrotate, positions, true) does (the
+    // values carry their own positions' rotation; a device backend does it as it writes out).
     virtual void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
-                           const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) = 0;
+                           const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out,
+                           const RopeSpec * unrotate) = 0;
 
     // ---- sampling --------------------------------------------------------------------------------------------
     // Per row of logits [rows, V] (NaN counts as -inf), the few a sampler can draw, so that the row need not leave

@@ -417,11 +417,12 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
         qproj.push_back({L.idx_q_b, reshape(iq, HI * dI, n)});
     }
     b.matmul_many(cq, qproj);
-    b.norm_rope(q, Tensor{}, c.norm_eps, rope, pos, 0, Tensor{});
-
-    // The one K=V row per token: normed, rotated like the queries, FP8-rounded in the official numerics, and
-    // written into the raw ring before attending so that a token sees itself and the earlier tokens of its chunk.
-    b.norm_rope(reshape(kv, d, 1, n), L.kv_norm, c.norm_eps, rope, pos, official ? d - c.n_rot : 0, S.raw);
+    // The query heads (no weight), and the one K=V row per token: normed, rotated like the queries, FP8-rounded
+    // in the official numerics, and written into the raw ring before attending so that a token sees itself and
+    // the earlier tokens of its chunk.
+    const NormRopeTarget heads[] = {{q, Tensor{}, 0, Tensor{}},
+                                    {reshape(kv, d, 1, n), L.kv_norm, official ? d - c.n_rot : 0, S.raw}};
+    b.norm_rope(heads, c.norm_eps, rope, pos);
 
     CompressedRows comp;
     if (compressed) {
@@ -455,10 +456,9 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     }
 
     Tensor attn = first(w.attn, n);
-    b.attention(q, S.raw, pos, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn);
     // Values carry the rotation of their own positions; turning the output back by the query's angle leaves
     // relative phase only.
-    b.rope(attn, rope, pos, true);
+    b.attention(q, S.raw, pos, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn, &rope);
     Tensor o_low = first(w.o_low, n);
     b.matmul_grouped(L.o_a, reshape(attn, c.q_dim(), n), o_low, c.o_groups);
     b.matmul(L.o_b, o_low, first(w.out, n));

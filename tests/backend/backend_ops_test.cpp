@@ -478,8 +478,9 @@ TEST(Ops, NormRope) {
         sc.n_rot = sg.n_rot = 64;
         const std::string tag = " n=" + std::to_string(n);
         const Both q = s.values(randn(size_t(512 * 64 * n), 3.0f), 512, 64, 1, n);
-        gpu().norm_rope(q.g, Tensor{}, 1e-6f, sg, p.g, 0, Tensor{});
-        cpu().norm_rope(q.c, Tensor{}, 1e-6f, sc, p.c, 0, Tensor{});
+        const NormRopeTarget qg[] = {{q.g}}, qc[] = {{q.c}};
+        gpu().norm_rope(qg, 1e-6f, sg, p.g);
+        cpu().norm_rope(qc, 1e-6f, sc, p.c);
         compare("norm_rope q 64 heads x 512" + tag, q, 2e-5);
         std::vector<float> gv = randn(512, 0.1f);
         for (float & v : gv) v += 1.0f;
@@ -492,8 +493,9 @@ TEST(Ops, NormRope) {
             const Both ring2 = s.values(std::vector<float>(size_t(130 * 512)), 512, 130);
             gpu().copy(kv2.g, kv.g, kv.g.n_bytes());
             gpu().copy(ring2.g, ring.g, ring.g.n_bytes());
-            gpu().norm_rope(kv.g, gamma.g, 1e-6f, sg, p.g, fp8, ring.g);
-            cpu().norm_rope(kv.c, gamma.c, 1e-6f, sc, p.c, fp8, ring.c);
+            const NormRopeTarget kvg[] = {{kv.g, gamma.g, fp8, ring.g}}, kvc[] = {{kv.c, gamma.c, fp8, ring.c}};
+            gpu().norm_rope(kvg, 1e-6f, sg, p.g);
+            cpu().norm_rope(kvc, 1e-6f, sc, p.c);
             const std::string what = "norm_rope kv fp8 " + std::to_string(fp8) + tag;
             if (fp8 == 0) {
                 compare(what, kv, 2e-5);
@@ -509,6 +511,36 @@ TEST(Ops, NormRope) {
             gpu().store_rows(ring2.g, kv2_rows, p.g);
             compare(what + " vs unfused gpu ops", read_gpu(kv2.g).data(), read_gpu(kv.g), 1e-6);
             compare(what + " ring vs unfused gpu ops", read_gpu(ring2.g).data(), read_gpu(ring.g), 1e-6);
+        }
+        // The query heads and the K=V row in one call (one launch on the GPU) give the separate calls' values bit
+        // for bit; targets of different widths (blocks sized for the wider) against the CPU.
+        {
+            const Both qa = s.values(randn(size_t(512 * 64 * n), 3.0f), 512, 64, 1, n);
+            const Both kva = s.values(randn(size_t(512 * n), 2.0f), 512, 1, 1, n);
+            const Both ringa = s.values(randn(size_t(130 * 512)), 512, 130);
+            const Both qb = s.values(std::vector<float>(size_t(512 * 64 * n)), 512, 64, 1, n);
+            const Both kvb = s.values(std::vector<float>(size_t(512 * n)), 512, 1, 1, n);
+            const Both ringb = s.values(std::vector<float>(size_t(130 * 512)), 512, 130);
+            gpu().copy(qb.g, qa.g, qa.g.n_bytes());
+            gpu().copy(kvb.g, kva.g, kva.g.n_bytes());
+            gpu().copy(ringb.g, ringa.g, ringa.g.n_bytes());
+            const NormRopeTarget both[] = {{qa.g}, {kva.g, gamma.g, 448, ringa.g}};
+            gpu().norm_rope(both, 1e-6f, sg, p.g);
+            const NormRopeTarget q_alone[] = {{qb.g}}, kv_alone[] = {{kvb.g, gamma.g, 448, ringb.g}};
+            gpu().norm_rope(q_alone, 1e-6f, sg, p.g);
+            gpu().norm_rope(kv_alone, 1e-6f, sg, p.g);
+            compare("norm_rope q + kv in one call" + tag, read_gpu(qb.g).data(), read_gpu(qa.g), 0.0);
+            compare("norm_rope q + kv in one call, kv" + tag, read_gpu(kvb.g).data(), read_gpu(kva.g), 0.0);
+            compare("norm_rope q + kv in one call, ring" + tag, read_gpu(ringb.g).data(), read_gpu(ringa.g), 0.0);
+
+            const Both wide = s.values(randn(size_t(512 * 4 * n), 1.5f), 512, 4, 1, n);
+            const Both narrow = s.values(randn(size_t(128 * 3 * n), 1.5f), 128, 3, 1, n);
+            const Both g128 = s.values(std::vector<float>(gv.begin(), gv.begin() + 128), 128);
+            const NormRopeTarget mg[] = {{narrow.g, g128.g}, {wide.g}}, mc[] = {{narrow.c, g128.c}, {wide.c}};
+            gpu().norm_rope(mg, 1e-6f, sg, p.g);
+            cpu().norm_rope(mc, 1e-6f, sc, p.c);
+            compare("norm_rope widths 128 and 512 in one call, 128" + tag, narrow, 2e-5);
+            compare("norm_rope widths 128 and 512 in one call, 512" + tag, wide, 2e-5);
         }
     }
 }
@@ -819,11 +851,22 @@ TEST(Ops, Attention) {
         }
         const Both out = s.out(GgmlType::F32, c.dim, c.heads, 1, c.n);
         const float scale = 1.0f / std::sqrt(float(c.dim));
-        gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, out.g);
-        cpu().attention(q.c, raw.c, bp.c, c.window, cc, sinks.c, scale, out.c);
+        gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, out.g, nullptr);
+        cpu().attention(q.c, raw.c, bp.c, c.window, cc, sinks.c, scale, out.c, nullptr);
         // Tensor cores: queries, keys and probabilities in f16 (f32 scores and sums).
         const bool tc = cuda_tensor_core_attention(c.dim, c.n);
-        compare(std::string(tc ? "attention (tensor cores) " : "attention ") + c.name, out, tc ? 1e-2 : 2e-5);
+        const std::string name = std::string(tc ? "attention (tensor cores) " : "attention ") + c.name;
+        compare(name, out, tc ? 1e-2 : 2e-5);
+        // The output turned back by the query's angle inside the op: attention then the inverse rope, exactly.
+        const int64_t n_rot = std::min<int64_t>(64, c.dim / 2);
+        const Both f = s.values(inv_freq(n_rot, 10000.0f), n_rot / 2);
+        RopeSpec rg;
+        rg.inv_freq = f.g;
+        rg.n_rot = int(n_rot);
+        const Both back = s.out(GgmlType::F32, c.dim, c.heads, 1, c.n);
+        gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, back.g, &rg);
+        gpu().rope(out.g, rg, bp.g, true);
+        compare(name + ", unrotated in the op", read_gpu(out.g).data(), read_gpu(back.g), 0.0);
     }
 }
 

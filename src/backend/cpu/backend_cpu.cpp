@@ -183,24 +183,26 @@ class CpuBackend final : public Backend {
         });
     }
 
-    void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope, const Tensor & positions,
-                   int64_t fp8_dims, const Tensor & ring) override {
-        const int64_t width = x.ne[0], heads = x.ne[1], n = x.rows() / heads;
-        const size_t token_bytes = size_t(heads * width) * sizeof(float);
-        pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int) {
-            for (size_t t = b; t < e; ++t) {
-                float * xt = x.f32() + int64_t(t) * heads * width;
-                const int32_t pos = positions.i32()[t];
-                for (int64_t h = 0; h < heads; ++h)
-                    norm_row(xt + h * width, gamma ? gamma.f32() : nullptr, xt + h * width, width, eps);
-                rope_heads(xt, heads, width, rope, pos, false);
-                if (fp8_dims > 0)
-                    for (int64_t h = 0; h < heads; ++h) fp8_row(xt + h * width, fp8_dims);
-                if (ring)
-                    std::memcpy(static_cast<uint8_t *>(ring.data) + size_t(pos % ring.rows()) * token_bytes, xt,
-                                token_bytes);
-            }
-        });
+    void norm_rope(std::span<const NormRopeTarget> targets, float eps, const RopeSpec & rope,
+                   const Tensor & positions) override {
+        for (const NormRopeTarget & r : targets) {
+            const int64_t width = r.x.ne[0], heads = r.x.ne[1], n = r.x.rows() / heads;
+            const size_t token_bytes = size_t(heads * width) * sizeof(float);
+            pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int) {
+                for (size_t t = b; t < e; ++t) {
+                    float * xt = r.x.f32() + int64_t(t) * heads * width;
+                    const int32_t pos = positions.i32()[t];
+                    for (int64_t h = 0; h < heads; ++h)
+                        norm_row(xt + h * width, r.gamma ? r.gamma.f32() : nullptr, xt + h * width, width, eps);
+                    rope_heads(xt, heads, width, rope, pos, false);
+                    if (r.fp8_dims > 0)
+                        for (int64_t h = 0; h < heads; ++h) fp8_row(xt + h * width, r.fp8_dims);
+                    if (r.ring)
+                        std::memcpy(static_cast<uint8_t *>(r.ring.data) + size_t(pos % r.ring.rows()) * token_bytes, xt,
+                                    token_bytes);
+                }
+            });
+        }
     }
 
     // ---- official numerics -----------------------------------------------------------------------------------
@@ -413,7 +415,8 @@ class CpuBackend final : public Backend {
     }
 
     void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
-                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) override {
+                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out,
+                   const RopeSpec * unrotate) override {
         const int64_t dim = q.ne[0];
         const int64_t heads = q.ne[1];
         const int64_t n = q.rows() / heads;
@@ -461,6 +464,7 @@ class CpuBackend final : public Backend {
                 }
             }
         });
+        if (unrotate) rope(out, *unrotate, positions, true);
     }
 
     // ---- sampling --------------------------------------------------------------------------------------------

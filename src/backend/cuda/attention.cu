@@ -444,6 +444,14 @@ __device__ __forceinline__ KeyList key_list(const AttentionArgs & a, int64_t pos
     return k;
 }
 
+// Element `odd` of the pair (x0, x1) after rope_pair(inverse) at position pos: the same expressions, so the fused
+// rotation equals rope_kernel's bit for bit.
+__device__ __forceinline__ float unrotated(float x0, float x1, int odd, float inv_freq, int32_t pos) {
+    float v[2] = {x0, x1};
+    rope_pair(v, float(pos), inv_freq, true);
+    return v[odd];
+}
+
 // Row j of the token's keys, or null for an unused selection slot.
 __device__ __forceinline__ const float * key_row(const AttentionArgs & a, const KeyList & kl, int64_t t, int64_t j) {
     if (j < kl.nw) return a.raw + ((kl.p_lo + j) % a.ring) * a.dim;
@@ -524,10 +532,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
         const float c = m == -INFINITY ? 0.0f : expf(m - mf);
         const float inv = 1.0f / (den * c + expf(sink - mf));
         float * out = a.out + (t * a.heads + h) * d;
+        const int64_t rot0 = d - a.out_n_rot;  // first rotated channel (even)
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
             const int64_t e = lane + 32 * i;
-            if (e < d) out[e] = o[i] * c * inv;
+            float v = o[i] * c * inv;
+            // The pair (e, e ^ 1) sits in neighbouring lanes (32 is even).
+            const float other = __shfl_xor_sync(kFull, v, 1);
+            if (a.out_n_rot > 0 && e >= rot0 && e < d)
+                v = unrotated(e & 1 ? other : v, e & 1 ? v : other, e & 1, a.out_inv_freq[(e - rot0) / 2],
+                              a.positions[t]);
+            if (e < d) out[e] = v;
         }
     } else {
         float * part = a.partial + ((t * a.heads + h) * gridDim.y + split) * (d + 2);
@@ -596,8 +611,12 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
                 acc1 += wgt != 0.0f ? v1[j] * wgt : 0.0f;
             }
         }
-        a.out[th * d + e] = acc0 * inv;
-        if (pair) a.out[th * d + e + 1] = acc1 * inv;
+        float v[2] = {acc0 * inv, acc1 * inv};
+        const int64_t rot0 = d - a.out_n_rot;
+        if (a.out_n_rot > 0 && e >= rot0)
+            rope_pair(v, float(a.positions[th / a.heads]), a.out_inv_freq[(e - rot0) / 2], true);
+        a.out[th * d + e] = v[0];
+        if (pair) a.out[th * d + e + 1] = v[1];
     }
 }
 
@@ -828,14 +847,20 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
     if (a.tensor_cores && attention_tensor_cores(a.dim, a.n)) {
         switch (a.dim) {
             case 64:
-                return launch_attention_tc<64>(a, s);
+                launch_attention_tc<64>(a, s);
+                break;
             case 128:
-                return launch_attention_tc<128>(a, s);
+                launch_attention_tc<128>(a, s);
+                break;
             case 256:
-                return launch_attention_tc<256>(a, s);
+                launch_attention_tc<256>(a, s);
+                break;
             default:
-                return launch_attention_tc<512>(a, s);
+                launch_attention_tc<512>(a, s);
         }
+        // The tiles' outputs leave through shared memory in f32 row pieces: turned back by a separate launch.
+        if (a.out_n_rot > 0) rope(a.out, a.n, a.heads, a.dim, a.out_inv_freq, a.out_n_rot, a.positions, true, s);
+        return;
     }
     const int splits = attention_splits(a);
     const int64_t per_split = (max_keys(a) + splits - 1) / splits;

@@ -299,25 +299,35 @@ class CudaBackend final : public Backend {
         run_matvec(a);
     }
 
-    void norm_rope(const Tensor & x, const Tensor & gamma, float eps, const RopeSpec & rope, const Tensor & positions,
-                   int64_t fp8_dims, const Tensor & ring) override {
+    void norm_rope(std::span<const NormRopeTarget> targets, float eps, const RopeSpec & rope,
+                   const Tensor & positions) override {
         const OpScope scope(*this, "norm_rope");
-        cuda::NormRopeArgs a;
-        a.x = x.f32();
-        a.gamma = gamma ? gamma.f32() : nullptr;
-        a.eps = eps;
-        a.heads = x.ne[1];
-        a.width = x.ne[0];
-        a.n = x.rows() / a.heads;
-        a.inv_freq = rope.inv_freq.f32();
-        a.n_rot = rope.n_rot;
-        a.positions = positions.i32();
-        a.fp8_dims = fp8_dims;
-        a.ring = ring ? ring.f32() : nullptr;
-        a.ring_rows = ring ? ring.rows() : 0;
-        DSV4_CHECK(a.width * sizeof(float) <= 48 * 1024, "cuda norm_rope: row width {} is more than 12288", a.width);
-        cuda::norm_rope(a, stream_);
-        launched("norm_rope");
+        for (size_t first = 0; first < targets.size(); first += cuda::kMaxNormRopeTargets) {
+            cuda::NormRopeArgs a;
+            a.eps = eps;
+            a.inv_freq = rope.inv_freq.f32();
+            a.n_rot = rope.n_rot;
+            a.positions = positions.i32();
+            a.n_targets = int(std::min<size_t>(cuda::kMaxNormRopeTargets, targets.size() - first));
+            for (int i = 0; i < a.n_targets; ++i) {
+                const NormRopeTarget & r = targets[first + size_t(i)];
+                cuda::NormRopeRows & t = a.t[i];
+                t.x = r.x.f32();
+                t.gamma = r.gamma ? r.gamma.f32() : nullptr;
+                t.heads = r.x.ne[1];
+                t.width = r.x.ne[0];
+                t.fp8_dims = r.fp8_dims;
+                t.ring = r.ring ? r.ring.f32() : nullptr;
+                t.ring_rows = r.ring ? r.ring.rows() : 0;
+                DSV4_CHECK(t.width * sizeof(float) <= 48 * 1024, "cuda norm_rope: row width {} is more than 12288",
+                           t.width);
+                const int64_t n = r.x.rows() / t.heads;
+                DSV4_CHECK(i == 0 || n == a.n, "cuda norm_rope: targets of {} and {} tokens", a.n, n);
+                a.n = n;
+            }
+            cuda::norm_rope(a, stream_);
+            launched("norm_rope");
+        }
     }
 
     void fp8_roundtrip(const Tensor & x, int64_t n_dims) override {
@@ -444,7 +454,8 @@ class CudaBackend final : public Backend {
     }
 
     void attention(const Tensor & q, const Tensor & raw, const Tensor & positions, int64_t window,
-                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out) override {
+                   const CompressedRows & comp, const Tensor & sinks, float scale, const Tensor & out,
+                   const RopeSpec * unrotate) override {
         const OpScope scope(*this, "attention");
         cuda::AttentionArgs a;
         a.dim = q.ne[0];
@@ -468,6 +479,10 @@ class CudaBackend final : public Backend {
         a.sinks = sinks.f32();
         a.scale = scale;
         a.out = out.f32();
+        if (unrotate) {
+            a.out_inv_freq = unrotate->inv_freq.f32();
+            a.out_n_rot = unrotate->n_rot;
+        }
         a.tensor_cores = tensor_cores_;
         a.partial = static_cast<float *>(scratch(size_t(cuda::attention_partial_floats(a)) * sizeof(float)));
         cuda::attention(a, stream_);

@@ -368,13 +368,15 @@ __device__ __forceinline__ float weight_element(const WeightRef & w, int64_t row
 // RoPE
 // ---------------------------------------------------------------------------------------------------------------------
 // Turns the pair (v[0], v[1]) by pos·inv_freq (backwards when inverse). One expression for every kernel that
-// rotates (rope, norm_rope, the compressors' finish), so their rotations agree bit for bit.
+// rotates (rope, norm_rope, the compressors' finish, the attention's output), so their rotations agree bit for bit:
+// its roundings are spelled out (a fused multiply-add of a rounded product), as nvcc would otherwise contract it
+// differently depending on what surrounds it.
 __device__ __forceinline__ void rope_pair(float * v, float pos, float inv_freq, bool inverse = false) {
     const float ang = pos * inv_freq;
     const float c = cosf(ang), s = inverse ? -sinf(ang) : sinf(ang);
     const float x0 = v[0], x1 = v[1];
-    v[0] = x0 * c - x1 * s;
-    v[1] = x0 * s + x1 * c;
+    v[0] = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    v[1] = __fmaf_rn(x0, s, __fmul_rn(x1, c));
 }
 
 // The trailing n_rot channels of a row in shared memory, by the block's threads; the caller synchronizes after.

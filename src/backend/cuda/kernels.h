@@ -142,20 +142,26 @@ void rms_norm(const float * x, const float * gamma, float * y, int64_t rows, int
 // x [n, heads, width]: rotates the last n_rot channels of every head by positions[t] (or its negative).
 void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_freq, int n_rot,
           const int32_t * positions, bool inverse, cudaStream_t s);
-// Per head row of x [n, heads, width], in place: RMSNorm (· gamma), RoPE of the last n_rot channels by
-// positions[t], FP8 round trip of [0, fp8_dims), and a copy of token t's rows into ring slot positions[t] mod
-// ring_rows (ring [ring_rows, heads·width], when given).
-struct NormRopeArgs {
+// Per head row of each target's x [n, heads, width], in place: RMSNorm (· gamma), RoPE of the last n_rot channels
+// by positions[t], FP8 round trip of [0, fp8_dims), and a copy of token t's rows into ring slot positions[t] mod
+// ring_rows (ring [ring_rows, heads·width], when given). The targets' rows run in one launch.
+struct NormRopeRows {
     float * x = nullptr;
     const float * gamma = nullptr;  // [width] or null
-    float eps = 0;
-    int64_t n = 0, heads = 0, width = 0;
-    const float * inv_freq = nullptr;
-    int n_rot = 0;
-    const int32_t * positions = nullptr;
+    int64_t heads = 0, width = 0;
     int64_t fp8_dims = 0;
     float * ring = nullptr;
     int64_t ring_rows = 0;
+};
+constexpr int kMaxNormRopeTargets = 2;
+struct NormRopeArgs {
+    NormRopeRows t[kMaxNormRopeTargets];
+    int n_targets = 0;
+    float eps = 0;
+    int64_t n = 0;
+    const float * inv_freq = nullptr;
+    int n_rot = 0;
+    const int32_t * positions = nullptr;
 };
 void norm_rope(const NormRopeArgs & a, cudaStream_t s);
 void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s);
@@ -258,6 +264,10 @@ struct AttentionArgs {
     float scale = 0;
     int64_t n = 0, heads = 0, dim = 0;
     float * out = nullptr;      // [n, H, d]
+    // When n_rot > 0, each head's output is turned back by its query's angle as rope_kernel (inverse) would: the
+    // last n_rot channels, pair i at frequency out_inv_freq[i].
+    const float * out_inv_freq = nullptr;
+    int out_n_rot = 0;
     float * partial = nullptr;  // scratch: attention_partial_floats(...)
     bool tensor_cores = false;  // prefill on the tensor cores (f16 queries, keys and probabilities) where it applies
 };

@@ -137,14 +137,19 @@ __global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, 
     rope_pair(x + th * width + (width - n_rot) + 2 * pair, float(positions[t]), inv_freq[pair], inverse);
 }
 
-// One block per (token, head) row: RMSNorm, RoPE, FP8 rounding and the ring copy with the expressions of
-// rms_norm_kernel (same block size: same sum order), rope_kernel, fp8_kernel and store_rows.
+// One block per (token, head) row of each target (target 0's rows first): RMSNorm, RoPE, FP8 rounding and the ring
+// copy with the expressions of rms_norm_kernel (same block size for the same width: same sum order), rope_kernel,
+// fp8_kernel and store_rows. A decode step's query heads and K=V row share a launch (one dependent step fewer).
 __global__ void norm_rope_kernel(NormRopeArgs a) {
     pdl_begin();
     extern __shared__ float row[];  // [width]
     __shared__ double red[32];
-    const int64_t th = blockIdx.x, t = th / a.heads, h = th % a.heads, width = a.width;
-    float * xr = a.x + th * width;
+    int64_t th = blockIdx.x;
+    int ti = 0;
+    while (ti + 1 < a.n_targets && th >= a.n * a.t[ti].heads) th -= a.n * a.t[ti++].heads;
+    const NormRopeRows & r = a.t[ti];
+    const int64_t t = th / r.heads, h = th % r.heads, width = r.width;
+    float * xr = r.x + th * width;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
         row[i] = xr[i];
@@ -154,14 +159,14 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
         const float v = row[i] * scale;
-        row[i] = a.gamma ? a.gamma[i] * v : v;
+        row[i] = r.gamma ? r.gamma[i] * v : v;
     }
     __syncthreads();
     const int32_t pos = a.positions[t];
     rope_row_shared(row, width, a.n_rot, a.inv_freq, float(pos));
     __syncthreads();
-    if (a.fp8_dims > 0) fp8_row_shared(row, a.fp8_dims);
-    float * ring = a.ring ? a.ring + ((int64_t(pos) % a.ring_rows) * a.heads + h) * width : nullptr;
+    if (r.fp8_dims > 0) fp8_row_shared(row, r.fp8_dims);
+    float * ring = r.ring ? r.ring + ((int64_t(pos) % r.ring_rows) * r.heads + h) * width : nullptr;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
         xr[i] = row[i];
         if (ring) ring[i] = row[i];
@@ -974,9 +979,14 @@ void rope(float * x, int64_t n, int64_t heads, int64_t width, const float * inv_
 }
 
 void norm_rope(const NormRopeArgs & a, cudaStream_t s) {
-    if (a.n <= 0) return;
-    launch(norm_rope_kernel, dim3(unsigned(a.n * a.heads)), dim3(a.width >= 1024 ? 256 : 128),
-           size_t(a.width) * sizeof(float), s, a);
+    int64_t rows = 0, width = 0;
+    for (int i = 0; i < a.n_targets; ++i) {
+        rows += a.n * a.t[i].heads;
+        width = std::max(width, a.t[i].width);
+    }
+    if (rows > 0)
+        launch(norm_rope_kernel, dim3(unsigned(rows)), dim3(width >= 1024 ? 256 : 128), size_t(width) * sizeof(float),
+               s, a);
 }
 
 void add(const float * a, const float * b, float * out, int64_t n, cudaStream_t s) {
