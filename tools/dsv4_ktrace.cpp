@@ -44,8 +44,9 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
     std::free(buffer);
 }
 
-// Starts tracing when the library loads; the process's exit flushes the last buffer (static destructors run
-// after the CUDA runtime's own teardown, so the flush is registered with atexit, which runs before it).
+// Starts tracing when the library loads. CUPTI hands over a buffer when it fills, when the CUDA context is destroyed
+// and at the flush registered here for the process's exit, whichever comes first: a program that exits without
+// destroying its context still leaves its last kernels in the file.
 struct Tracer {
     Tracer() {
         if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
