@@ -522,6 +522,24 @@ struct HcRowsShared {
     bool last;
 };
 
+// The block's warp partials summed in warp order: row r's mixing sum by thread r < n_mix (row(r, sum)) and the
+// squares' double by thread ss_thread (squares(sum)). The rows kernel's records and the finish's totals both end so.
+template <class Row, class Squares>
+__device__ __forceinline__ void sum_warp_partials(const HcRowsShared & sh, int n_mix, int ss_thread, Row row,
+                                                  Squares squares) {
+    const int r = int(threadIdx.x);
+    if (r < n_mix) {
+        float s = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red[w][r];
+        row(r, s);
+    }
+    if (r == ss_thread) {
+        double ss = 0;
+        for (int w = 0; w < kThreadsHc / 32; ++w) ss += sh.red_ss[w];
+        squares(ss);
+    }
+}
+
 // Thread r's mixing weight's bias and scale (weights: read before the block waits for the previous kernel).
 struct HcMixParam {
     float bias = 0.0f, scale = 0.0f;
@@ -595,15 +613,8 @@ __device__ void hc_finish_token(const HcArgs & a, int n_mix, int chunks, int64_t
         sh.red_ss[warp] = ss;
     }
     __syncthreads();
-    if (int(threadIdx.x) < n_mix) {
-        float s = 0;
-        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red[w][threadIdx.x];
-        sh.mix[threadIdx.x] = s;
-    } else if (threadIdx.x == kThreadsHc - 1) {
-        double ss = 0;
-        for (int w = 0; w < kThreadsHc / 32; ++w) ss += sh.red_ss[w];
-        sh.ss_total = ss;
-    }
+    sum_warp_partials(
+        sh, n_mix, kThreadsHc - 1, [&](int r, float s) { sh.mix[r] = s; }, [&](double ss) { sh.ss_total = ss; });
     __syncthreads();
     if (int(threadIdx.x) < n_mix) {
         const int r = int(threadIdx.x);
@@ -715,16 +726,9 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
     __syncthreads();
     const int64_t rec = mix_record(n_mix);
     float * out = a.partial + (t * chunks + chunk) * rec;
-    if (r < n_mix) {
-        float s = 0;
-        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red[w][r];
-        out[2 + r] = s;
-    }
-    if (r == 0) {
-        double s = 0;
-        for (int w = 0; w < kThreadsHc / 32; ++w) s += sh.red_ss[w];
-        *reinterpret_cast<double *>(out) = s;
-    }
+    sum_warp_partials(
+        sh, n_mix, 0, [&](int i, float s) { out[2 + i] = s; },
+        [&](double ss) { *reinterpret_cast<double *>(out) = ss; });
     // Every writer's stores are visible device-wide before its block counts itself done.
     __threadfence();
     __syncthreads();
