@@ -368,9 +368,20 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
             for (const std::string * raw : {&slot->text, &slot->alias}) {
                 // Bytes that are not UTF-8 (a reply cut inside a character) reached the client as U+FFFD, and the
                 // history it sends back holds that: compare as streamed when the bytes themselves do not match.
+                if (raw->empty()) continue;
                 std::string streamed;
                 const std::string * key = raw;
-                if (!starts_with(prompt_text, *raw)) {
+                const size_t same =
+                    size_t(std::mismatch(raw->begin(), raw->end(), prompt_text.begin(), prompt_text.end()).first -
+                           raw->begin());
+                if (same < raw->size()) {
+                    // The stream differs from the bytes only from where a non-ASCII byte starts a U+FFFD (EF BF BD),
+                    // so a prompt that follows the stream leaves the bytes within three of such a byte: without one
+                    // there, the slot's whole text need not be decoded.
+                    bool near_non_ascii = false;
+                    for (size_t i = same >= 3 ? same - 3 : 0; i <= same; ++i)
+                        near_non_ascii = near_non_ascii || uint8_t((*raw)[i]) >= 0x80;
+                    if (!near_non_ascii) continue;
                     Utf8StreamDecoder utf8(tokenizer_);
                     streamed = utf8.push_bytes(*raw);
                     streamed += utf8.finish();  // after the bytes: an unfinished character at the end is U+FFFD
