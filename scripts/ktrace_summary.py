@@ -6,7 +6,9 @@ Usage: ktrace_summary.py TIMELINE [--steps N] [--list]
 A step is one execution of the decode graph: the kernels of one graph id until a graph node repeats. The steps of
 the most common size are used (the last N of them). Each kernel's cost is how much later it ends than the kernel
 that ended before it: in a chain of dependent kernels with programmatic dependent launch, blocks start early and
-wait, so durations overlap and only the ends add up to the step. --list prints the last step kernel by kernel.
+wait, so durations overlap and only the ends add up to the step. Between two steps, what the GPU ran outside the
+graph (the sampler's kernels, the token's copies) is listed with its mean time; the rest of the gap the GPU waited
+for the host. --list prints the last step kernel by kernel.
 """
 import argparse
 import collections
@@ -40,7 +42,7 @@ def steps_of(kernels):
 
 def kind(name):
     name = re.sub(r'dsv4::cuda::|\(anonymous namespace\)::|void ', '', name)
-    return name if name.startswith('matvec_kernel') else re.sub(r'[<(].*$', '', name)
+    return name if name.startswith(('matvec_kernel', 'memcpy')) else re.sub(r'[<(].*$', '', name)
 
 
 def main():
@@ -49,7 +51,8 @@ def main():
     ap.add_argument('--steps', type=int, default=8, help='steps averaged (the last ones; default 8)')
     ap.add_argument('--list', action='store_true', help='the last step kernel by kernel')
     args = ap.parse_args()
-    steps = steps_of(read(args.timeline))
+    records = read(args.timeline)
+    steps = steps_of(records)
     if not steps:
         raise SystemExit(f'{args.timeline}: no graph kernels (was the program run with LD_PRELOAD?)')
     size = collections.Counter(len(s) for s in steps).most_common(1)[0][0]
@@ -60,6 +63,17 @@ def main():
     gaps = [(b[0][0] - max(k[1] for k in a)) / 1e3 for a, b in zip(use, use[1:])]
     if gaps:
         print(f'between steps (host work, graph launch): {sum(gaps) / len(gaps):.1f} us')
+        between = collections.defaultdict(lambda: [0, 0.0])
+        for a, b in zip(use, use[1:]):
+            lo, hi = max(k[1] for k in a), b[0][0]
+            for k in records:
+                if k[2] == 0 and lo <= k[0] < hi:
+                    between[kind(k[6])][0] += 1
+                    between[kind(k[6])][1] += (k[1] - k[0]) / 1e3
+        busy = sum(v[1] for v in between.values()) / len(gaps)
+        for name, (n, t) in sorted(between.items(), key=lambda kv: -kv[1][1]):
+            print(f'  {n / len(gaps):4.1f} x {t / n:6.1f} us  {name[:90]}')
+        print(f'  GPU idle between steps: {sum(gaps) / len(gaps) - busy:.1f} us')
     cost = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for s in use:
         prev = s[0][0]

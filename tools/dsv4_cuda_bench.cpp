@@ -1,7 +1,8 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
 //   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048]   prefill to each depth, then decode
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
-// Decode timings include the per-token host work of Model::eval (writing the token, reading the logits).
+// Decode timings include the per-token host work of the engine's path: Model::eval (the token's and position's
+// writes, the graph's launch) and the greedy token from the device's candidates (Model::logit_candidates).
 #include "backend/cuda.h"
 #include "format/gguf.h"
 #include "model/forward.h"
@@ -54,7 +55,6 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
     std::printf("weights read per decoded token: %.3f GB (roofline %.1f us at %.1f TB/s)\n", wb / 1e9,
                 wb / kRooflineBytesPerSecond * 1e6, kRooflineBytesPerSecond / 1e12);
     std::mt19937 rng(7);
-    std::vector<float> logits(size_t(c.n_vocab));
     for (int64_t depth : depths) {
         auto state = model.new_state(depth + n_decode + 4);
         std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(depth, 1)));
@@ -62,19 +62,24 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         // The first prefill of a process pays one-time costs (kernels load at their first launch, scratch grows to
         // the chunk's size): a throwaway state takes them, then the timed one runs warm.
         Timer first;
-        model.eval(*model.new_state(depth + 1), prompt, LogitsMode::last, logits.data());
+        model.eval(*model.new_state(depth + 1), prompt, LogitsMode::last, nullptr);
         const double first_s = first.seconds();
         Timer pf;
-        model.eval(*state, prompt, LogitsMode::last, logits.data());
+        model.eval(*state, prompt, LogitsMode::last, nullptr);
         const double pf_s = pf.seconds();
-        // Two warm-up steps (the first runs eagerly, the second captures the graph), then timed steps.
+        // Two warm-up steps (the first runs eagerly, the second captures the graph), then timed greedy steps that
+        // take their token as the engine's sampler does: from the device's candidates (their argmax), not from
+        // the whole row of logits.
         int32_t tok = int32_t(rng() % uint32_t(c.n_vocab));
-        for (int i = 0; i < 2; ++i)
-            model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, logits.data());
+        for (int i = 0; i < 2; ++i) model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, nullptr);
+        std::vector<int32_t> cand_ids(size_t(model.n_candidates()));
+        std::vector<float> cand_values(cand_ids.size());
+        float stats[4];
         Timer dec;
         for (int64_t i = 0; i < n_decode; ++i) {
-            tok = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-            model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, logits.data());
+            model.logit_candidates(*state, cand_ids.data(), cand_values.data(), stats);
+            tok = int32_t(stats[3]);
+            model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, nullptr);
         }
         const double per_token = dec.seconds() / double(n_decode);
         std::printf(

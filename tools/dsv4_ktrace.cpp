@@ -1,8 +1,9 @@
 // libdsv4_ktrace.so: a kernel timeline of any CUDA program, for decode-step attribution (docs/cuda.md, "Where a
-// decode step's time goes"). Preloaded (LD_PRELOAD), it asks CUPTI for every kernel's GPU start and end, graph
-// kernel nodes included, and appends one line per kernel to $DSV4_KTRACE (default /tmp/dsv4-ktrace.txt) as CUPTI
-// hands over its buffers (the last at exit):
+// decode step's time goes"). Preloaded (LD_PRELOAD), it asks CUPTI for every kernel's and memory copy's GPU start
+// and end, graph nodes included, and appends one line per record to $DSV4_KTRACE (default /tmp/dsv4-ktrace.txt)
+// as CUPTI hands over its buffers (the last at exit):
 //   start_ns end_ns graph_id grid_x grid_y graph_node_id demangled-name
+// A copy's line has grid 0 0 and the name "memcpy DIRECTION BYTES" (HtoD, DtoH, DtoD, other).
 // scripts/ktrace_summary.py turns the lines into per-step costs. Inside a graph with programmatic dependent
 // launch a kernel's blocks start early and wait, so its start says little; what it adds to a step is how much
 // later it ends than the kernel before it.
@@ -30,6 +31,18 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
     if (!f) std::fprintf(stderr, "dsv4-ktrace: cannot open %s\n", path ? path : "/tmp/dsv4-ktrace.txt");
     CUpti_Activity * record = nullptr;
     while (f && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+        if (record->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+            const auto * m = reinterpret_cast<const CUpti_ActivityMemcpy6 *>(record);
+            const char * dir = m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? "HtoD"
+                               : m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? "DtoH"
+                               : m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? "DtoD"
+                                                                                : "other";
+            std::fprintf(f, "%llu %llu %u 0 0 %llu memcpy %s %llu\n", static_cast<unsigned long long>(m->start),
+                         static_cast<unsigned long long>(m->end), m->graphId,
+                         static_cast<unsigned long long>(m->graphNodeId), dir,
+                         static_cast<unsigned long long>(m->bytes));
+            continue;
+        }
         if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
         const auto * k = reinterpret_cast<const CUpti_ActivityKernel10 *>(record);
         int status = 0;
@@ -50,7 +63,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
 struct Tracer {
     Tracer() {
         if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS ||
-            cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) {
+            cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS ||
+            cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY) != CUPTI_SUCCESS) {
             std::fprintf(stderr, "dsv4-ktrace: CUPTI refused kernel tracing; no timeline\n");
             return;
         }

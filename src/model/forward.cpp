@@ -212,12 +212,13 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
     const int64_t rows = mode == LogitsMode::none ? 0 : n - first_row;
     const int64_t head_rows = w.logits.ne[3];
+    const size_t row_bytes = size_t(c.n_vocab) * sizeof(float);
     // Each block swaps the two stream buffers twice, so the final streams are always in w.streams.
     auto final_rows = [&](int64_t r0, int64_t m) {
         return make_tensor(GgmlType::F32, w.streams.f32() + (first_row + r0) * c.hc * c.n_embd, c.n_embd, c.hc, 1, m);
     };
-    auto run_head = [&](int64_t r0, int64_t m) {
-        head(final_rows(r0, m), W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, m);
+    auto run_head = [&](int64_t r0, int64_t m, const Tensor & out) {
+        head(final_rows(r0, m), W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, m, out);
     };
 
     auto body = [&] {
@@ -230,27 +231,36 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         for (int64_t il = 0; il < c.n_layer; ++il)
             block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2,
                   il + 1 < c.n_layer ? &W.layers[size_t(il + 1)] : nullptr);
-        if (rows > 0 && rows <= head_rows) run_head(0, rows);
+        if (rows == 1) {
+            // One row (a decode step, a prompt's end): straight into the state's copy, and the sampler's candidates
+            // from it, inside a decode step's graph rather than launches after it.
+            run_head(0, 1, state.last_logits());
+            b.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+        } else if (rows > 0 && rows <= head_rows) {
+            run_head(0, rows, first(w.logits, rows));
+            b.copy(state.last_logits(), w.logits, row_bytes, 0, size_t(rows - 1) * row_bytes);
+        }
     };
+    candidates_of_ = nullptr;
     // A decode step is the same op sequence at every position of a state: a device backend replays a capture.
     if (n == 1 && !trace_)
         b.run_captured(std::hash<const void *>()(&state) * 31 + uint64_t(mode), body);
     else
         body();
     state.set_n_past(pos0 + n);
+    if (rows == 1) candidates_of_ = &state;
     if (rows == 0) return;
-    const size_t row_bytes = size_t(c.n_vocab) * sizeof(float);
-    int64_t in_buffer = rows;  // rows of logits in the buffer now
     if (rows <= head_rows) {
-        if (logits) b.read(first(w.logits, rows), logits, size_t(rows) * row_bytes);
+        if (logits) b.read(rows == 1 ? state.last_logits() : first(w.logits, rows), logits, size_t(rows) * row_bytes);
     } else {
+        int64_t in_buffer = 0;  // rows of logits in the buffer now
         for (int64_t r0 = 0; r0 < rows; r0 += head_rows) {
             in_buffer = std::min(head_rows, rows - r0);
-            run_head(r0, in_buffer);
+            run_head(r0, in_buffer, first(w.logits, in_buffer));
             if (logits) b.read(first(w.logits, in_buffer), logits + r0 * c.n_vocab, size_t(in_buffer) * row_bytes);
         }
+        b.copy(state.last_logits(), w.logits, row_bytes, 0, size_t(in_buffer - 1) * row_bytes);
     }
-    b.copy(state.last_logits(), w.logits, row_bytes, 0, size_t(in_buffer - 1) * row_bytes);
     if (hidden) {
         const Tensor final_streams = final_rows(0, rows);
         b.read(final_streams, hidden, final_streams.n_bytes());
@@ -259,7 +269,10 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
 
 void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {
     Workspace & w = *ws_;
-    backend_.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+    if (candidates_of_ != &state) {
+        backend_.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+        candidates_of_ = &state;
+    }
     std::vector<float> all(size_t(w.candidates.ne[0]));
     backend_.read(w.candidates, all.data(), all.size() * sizeof(float));
     const size_t k = size_t(w.cand_ids.ne[0]);
@@ -279,7 +292,7 @@ void Model::write_positions(int64_t pos0, int64_t n) {
 }
 
 void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
-                 const Tensor & norm, int64_t rows) {
+                 const Tensor & norm, int64_t rows, const Tensor & logits) {
     const ModelConfig & c = config_;
     Backend & b = backend_;
     Tensor z = first(ws_->x, rows);
@@ -287,7 +300,7 @@ void Model::head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc
     trace("hc_head_out", -1, z);
     b.rms_norm(z, norm, z, c.norm_eps);
     trace("final_norm_out", -1, z);
-    b.matmul(weights_.output, z, first(ws_->logits, rows));
+    b.matmul(weights_.output, z, logits);
 }
 
 void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> next_tokens, const float * hidden,
@@ -338,7 +351,7 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
     attn_pre(M.block, streams, n);
     block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2, nullptr);
     if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
-    head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n);
+    head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n, first(w.logits, n));
     b.read(first(w.logits, n), logits, size_t(n * c.n_vocab) * sizeof(float));
 }
 

@@ -77,7 +77,8 @@ class Model {
 
     // What a sampler draws from, instead of the row (backend logit_candidates over state.last_logits()): up to
     // kSampleCandidates ids ascending and their logits into ids and values [n_candidates()], and stats [4] = (max,
-    // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host.
+    // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host; an
+    // evaluation that ended with one row of logits has computed them already (inside a decode step's graph).
     static constexpr int64_t kSampleCandidates = 1024;
     // Rows of logits the workspace holds: a chunk whose every row's logits are wanted (dump-logits, prompt logprobs)
     // runs the head in pieces of this many rows, each read out before the next. Sized for the chunk, the buffer
@@ -112,9 +113,9 @@ class Model {
                    int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
     void write_positions(int64_t pos0, int64_t n);
-    // HC head, final norm and LM head of `rows` rows of streams into the workspace's logits.
+    // HC head, final norm and LM head of `rows` rows of streams into logits [V, rows].
     void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
-              const Tensor & norm, int64_t rows);
+              const Tensor & norm, int64_t rows, const Tensor & logits);
     void trace(std::string_view name, int64_t layer, const Tensor & t) const {
         if (trace_) trace_(name, layer, t);
     }
@@ -126,6 +127,9 @@ class Model {
     ModelWeights weights_;
     RopeSpec rope_[3];  // by LayerKind
     std::unique_ptr<Workspace> ws_;
+    // The state whose last row the workspace's candidates belong to: an evaluation that ends with one row of
+    // logits (every decode step) computes them in the same launch sequence, before the sampler asks.
+    const KvState * candidates_of_ = nullptr;
     TraceFn trace_;
 };
 

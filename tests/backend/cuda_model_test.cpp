@@ -171,6 +171,47 @@ TEST_P(CudaModel, SnapshotRestoreContinues) {
     EXPECT_LT(worst, 1e-4);
 }
 
+// The sampler's candidates of a decode step come from inside its graph: they must be the candidates of that
+// state's own last row. Two states decode in turn, so the workspace's candidates belong to the other state when the
+// first one asks for its own again (they are computed then).
+TEST_P(CudaModel, DecodeCandidatesAreTheStatesOwnRow) {
+    const std::string name = GetParam();
+    const Fixture & f = fixture(name);
+    Runner r(gguf(name, StorageMix::f32), cuda(), 4);
+    Model & m = *r.model;
+    const int64_t V = m.config().n_vocab, k = m.n_candidates();
+    const size_t n = std::min<size_t>(f.tokens.size(), 12);
+    auto a = m.new_state(int64_t(n)), b = m.new_state(int64_t(n));
+    std::vector<float> row(static_cast<size_t>(V)), values(static_cast<size_t>(k));
+    std::vector<int32_t> ids(static_cast<size_t>(k));
+    float stats[4];
+    auto check_own = [&](KvState & s, const char * what) {
+        m.logit_candidates(s, ids.data(), values.data(), stats);
+        m.read_last_logits(s, row.data());
+        const int64_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
+        ASSERT_EQ(stats[3], float(argmax)) << what << " at " << s.n_past();
+        ASSERT_EQ(stats[0], row[size_t(argmax)]) << what;
+        const int64_t count = int64_t(stats[2]);
+        ASSERT_GT(count, 0) << what;
+        float lowest = INFINITY;
+        for (int64_t j = 0; j < count; ++j) {
+            ASSERT_EQ(values[size_t(j)], row[size_t(ids[size_t(j)])]) << what << " candidate " << j;
+            if (j > 0) ASSERT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+            lowest = std::min(lowest, values[size_t(j)]);
+        }
+        int64_t above = 0;  // logits at or above the lowest candidate: exactly the candidates
+        for (float x : row) above += x >= lowest;
+        ASSERT_EQ(above, count) << what;
+    };
+    for (size_t i = 0; i < n; ++i) {
+        m.eval(*a, std::span<const int32_t>(f.tokens).subspan(i, 1), LogitsMode::last, nullptr);
+        check_own(*a, "state a, right after its step");
+        m.eval(*b, std::span<const int32_t>(f.tokens).subspan(n - 1 - i, 1), LogitsMode::last, nullptr);
+        check_own(*a, "state a, after b's step");
+        check_own(*b, "state b");
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
                          ::testing::Values("hf-small-seed1", "hf-edge-seed1", "lite-seed2", "wide-seed1"));
 

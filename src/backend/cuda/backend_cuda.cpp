@@ -91,6 +91,9 @@ class CudaBackend final : public Backend {
             if (dev_stage_[i]) cudaFree(dev_stage_[i]);
             if (staged_[i]) cudaEventDestroy(staged_[i]);
         }
+        if (io_pinned_) cudaFreeHost(io_pinned_);
+        for (cudaEvent_t e : io_done_)
+            if (e) cudaEventDestroy(e);
         if (scratch_) cudaFree(scratch_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
@@ -159,6 +162,20 @@ class CudaBackend final : public Backend {
     void write(const Tensor & dst, const void * host, size_t bytes, size_t offset) override {
         bind();
         DSV4_CHECK(!capturing_, "cuda: write() inside a captured sequence");
+        if (bytes <= kIoSlotBytes) {
+            // Through a pinned slot, without waiting: the bytes are ours once copied there, and the stream orders
+            // the transfer before any kernel that reads them. The slot's previous transfer has long finished.
+            const int slot = io_next_;
+            io_next_ = (io_next_ + 1) % kIoSlots;
+            uint8_t * pinned = io_slot(slot);
+            check(cudaEventSynchronize(io_done_[slot]), "write (pinned slot)");
+            std::memcpy(pinned, host, bytes);
+            check(cudaMemcpyAsync(static_cast<uint8_t *>(dst.data) + offset, pinned, bytes, cudaMemcpyHostToDevice,
+                                  stream_),
+                  "write");
+            check(cudaEventRecord(io_done_[slot], stream_), "write (event)");
+            return;
+        }
         check(cudaMemcpyAsync(static_cast<uint8_t *>(dst.data) + offset, host, bytes, cudaMemcpyHostToDevice, stream_),
               "write");
         check(cudaStreamSynchronize(stream_), "write (synchronize)");
@@ -166,10 +183,15 @@ class CudaBackend final : public Backend {
     void read(const Tensor & src, void * host, size_t bytes, size_t offset) override {
         bind();
         DSV4_CHECK(!capturing_, "cuda: read() inside a captured sequence");
-        check(cudaMemcpyAsync(host, static_cast<const uint8_t *>(src.data) + offset, bytes, cudaMemcpyDeviceToHost,
-                              stream_),
+        // Small reads (the sampler's candidates) land in a pinned slot: the copy goes straight to host memory
+        // instead of through the driver's staging buffer. A pending write from the same slot is earlier in the
+        // stream, so it has read the slot before this copy fills it.
+        uint8_t * pinned = bytes <= kIoSlotBytes ? io_slot(io_next_) : nullptr;
+        check(cudaMemcpyAsync(pinned ? pinned : host, static_cast<const uint8_t *>(src.data) + offset, bytes,
+                              cudaMemcpyDeviceToHost, stream_),
               "read");
         check(cudaStreamSynchronize(stream_), "read (synchronize)");
+        if (pinned) std::memcpy(host, pinned, bytes);
         if (profile_) collect_timings();
     }
     void copy(const Tensor & dst, const Tensor & src, size_t bytes, size_t dst_offset, size_t src_offset) override {
@@ -506,7 +528,7 @@ class CudaBackend final : public Backend {
         DSV4_CHECK(ids.ne[0] <= kCandidateBins, "cuda: logit_candidates keeps at most {} candidates, not {}",
                    kCandidateBins, ids.ne[0]);
         cuda::logit_candidates(logits.f32(), logits.rows(), logits.ne[0], ids.ne[0], ids.i32(), values.f32(),
-                               stats.f32(), stream_);
+                               stats.f32(), scratch(cuda::logit_candidates_scratch(logits.rows())), stream_);
         launched("logit_candidates");
     }
 
@@ -825,6 +847,17 @@ class CudaBackend final : public Backend {
         if (last > first) madvise(reinterpret_cast<void *>(first), last - first, MADV_PAGEOUT);
     }
 
+    uint8_t * io_slot(int slot) {
+        if (!io_pinned_) {
+            check(cudaMallocHost(&io_pinned_, kIoSlots * kIoSlotBytes), "cudaMallocHost(io slots)");
+            for (cudaEvent_t & e : io_done_) {
+                check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+                check(cudaEventRecord(e, stream_), "cudaEventRecord");
+            }
+        }
+        return static_cast<uint8_t *>(io_pinned_) + size_t(slot) * kIoSlotBytes;
+    }
+
     uint8_t * stage_slot(int slot) {
         if (!pinned_[slot]) {
             check(cudaMallocHost(&pinned_[slot], kStageBytes), "cudaMallocHost(staging)");
@@ -858,6 +891,13 @@ class CudaBackend final : public Backend {
         held_bytes_ += delta;
         peak_bytes_ = std::max(peak_bytes_, uint64_t(std::max<int64_t>(held_bytes_, 0)));
     }
+    // Pinned slots for small writes and reads (a decode step's token and position, the candidates): a copy from
+    // pageable memory to the device first waits for the stream, a host round trip per write while the GPU idles.
+    static constexpr int kIoSlots = 4;
+    static constexpr size_t kIoSlotBytes = size_t(64) << 10;
+    void * io_pinned_ = nullptr;
+    cudaEvent_t io_done_[kIoSlots] = {};
+    int io_next_ = 0;
     void * pinned_[2] = {nullptr, nullptr};
     uint8_t * dev_stage_[2] = {nullptr, nullptr};
     cudaEvent_t staged_[2] = {nullptr, nullptr};

@@ -203,11 +203,13 @@ void hc_mix(const HcArgs & a, cudaStream_t s);
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
              int64_t hc, int64_t width, cudaStream_t s);
 
-// Backend::logit_candidates: ids and values [rows, k], stats [rows, 4]. The kernels compile as C++17 and cannot
-// include backend.h: its bin constants are repeated here (backend_cuda.cpp checks they agree).
+// Backend::logit_candidates: ids and values [rows, k], stats [rows, 4]; scratch of logit_candidates_scratch(rows)
+// bytes. The kernels compile as C++17 and cannot include backend.h: its bin constants are repeated here
+// (backend_cuda.cpp checks they agree).
 constexpr int kCandidateBinsPerNat = 32, kCandidateBins = 1024;
+size_t logit_candidates_scratch(int64_t rows);
 void logit_candidates(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
-                      float * stats, cudaStream_t s);
+                      float * stats, void * scratch, cudaStream_t s);
 void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
             int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s);
 

@@ -1,6 +1,6 @@
 // Element-wise and per-row ops: weight re-layout, embedding rows, RMSNorm, RoPE, SwiGLU, the official FP8/FP4
-// round trips, hyper-connections (mixing weights, Sinkhorn, stream sums) and the MoE router. Float arithmetic
-// follows the CPU backend's expressions (double sums of squares, the same FP8/FP4 bit rules).
+// round trips, hyper-connections (mixing weights, Sinkhorn, stream sums), sampling candidates and the MoE router.
+// Float arithmetic follows the CPU backend's expressions (double sums of squares, the same FP8/FP4 bit rules).
 #include "backend/cuda/common.cuh"
 
 #include <mma.h>
@@ -770,98 +770,163 @@ __global__ void hc_post_kernel(const float * streams, const float * o, const flo
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Sampling candidates: one block of 1024 threads per row of logits
+// Sampling candidates: three kernels, each a block of 1024 threads per slice of a row
 // ---------------------------------------------------------------------------------------------------------------------
+// One block per row took 48 µs of every decode step on the real vocabulary: three passes over 517 KB through one
+// multiprocessor, and on a row whose logits crowd into a few bins, histogram atomics queued on a few shared words.
+// Slices spread the passes over the GPU (the maximum; Σ exp and the histogram; the members), a warp adds its
+// lanes' equal bins with one atomic, and the last block of the last pass sorts the members.
 constexpr int kCandThreads = 1024;
+constexpr int kCandMaxSlices = 64;
 static_assert(kCandidateBins == kCandThreads, "one histogram bin per thread");
+
+// A row's state between the passes, in the op's scratch.
+struct CandRow {
+    float slice_max[kCandMaxSlices];
+    int slice_arg[kCandMaxSlices];  // lowest id holding the slice's maximum
+    double slice_sum[kCandMaxSlices];
+    int hist[kCandidateBins];
+    unsigned long long members[kCandidateBins];  // (id << 32) | logit bits, in any order
+    unsigned count, done;
+};
+
+int cand_slices(int64_t n_vocab) { return int(std::clamp<int64_t>((n_vocab + 4095) / 4096, 1, kCandMaxSlices)); }
 
 __device__ __forceinline__ float clean_logit(float x) { return x == x ? x : -INFINITY; }
 
-// Calls f(i, logit) for every logit of the row, NaN as -inf, thread t taking elements t, t + 1024, ...; rows of a
-// multiple of 4 (the real vocabulary) load four at a time so that a thread has several loads in flight.
+// Calls f(i, logit, inside) for the block's slice of its row, NaN as -inf, thread t taking elements t, t + 1024, ...
+// of the slice; every thread makes the same number of calls (inside false past the end, logit -inf), so that
+// warps may vote inside f.
 template <class F>
-__device__ __forceinline__ void for_each_logit(const float * row, int64_t n, F f) {
-    if (n % 4 == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0) {
-        const float4 * row4 = reinterpret_cast<const float4 *>(row);
-#pragma unroll 2
-        for (int64_t j = threadIdx.x; j < n / 4; j += kCandThreads) {
-            const float4 v = row4[j];
-            f(4 * j, clean_logit(v.x));
-            f(4 * j + 1, clean_logit(v.y));
-            f(4 * j + 2, clean_logit(v.z));
-            f(4 * j + 3, clean_logit(v.w));
-        }
-    } else {
-        for (int64_t i = threadIdx.x; i < n; i += kCandThreads) f(i, clean_logit(row[i]));
+__device__ __forceinline__ void for_each_slice_logit(const float * logits, int64_t n_vocab, F f) {
+    const int64_t len = (n_vocab + gridDim.x - 1) / gridDim.x, begin = int64_t(blockIdx.x) * len;
+    const int64_t end = min(n_vocab, begin + len);
+    const float * row = logits + int64_t(blockIdx.y) * n_vocab;
+    for (int64_t i0 = begin; i0 < end; i0 += kCandThreads) {
+        const int64_t i = i0 + threadIdx.x;
+        f(i, i < end ? clean_logit(row[i]) : -INFINITY, i < end);
     }
 }
 
-// Backend::logit_candidates. Three passes over the row: the maximum and its lowest id; Σ exp and the bin
-// histogram; the members, appended to shared memory in any order and then sorted by id (at most k of them).
-__global__ void __launch_bounds__(kCandThreads) logit_candidates_kernel(const float * logits, int64_t n_vocab, int k,
-                                                                        int32_t * ids, float * values, float * stats) {
-    pdl_begin();
-    __shared__ int hist[kCandidateBins];
-    __shared__ unsigned long long members[kCandThreads];  // (id << 32) | logit bits, sorted by id
+// Larger logit, then lower id.
+__device__ __forceinline__ void max_arg(float & m, int & arg, float om, int oa) {
+    if (om > m || (om == m && oa < arg)) m = om, arg = oa;
+}
+__device__ __forceinline__ void warp_max_arg(float & m, int & arg) {
+    for (int o = 16; o > 0; o >>= 1) max_arg(m, arg, __shfl_xor_sync(kFull, m, o), __shfl_xor_sync(kFull, arg, o));
+}
+
+// The row's maximum and its lowest id from the slices' (every block of the later passes reads them).
+__device__ void row_max(const CandRow & rc, float & m, int & arg) {
     __shared__ float red_m[32];
     __shared__ int red_a[32];
-    __shared__ double red_d[32];
-    __shared__ int red_i[33];
-    __shared__ int s_kept_bins, s_count;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float * row = logits + int64_t(blockIdx.x) * n_vocab;
+    m = -INFINITY, arg = INT_MAX;
+    if (int(threadIdx.x) < int(gridDim.x))
+        m = __ldcg(rc.slice_max + threadIdx.x), arg = __ldcg(rc.slice_arg + threadIdx.x);
+    warp_max_arg(m, arg);
+    if (lane == 0) red_m[warp] = m, red_a[warp] = arg;
+    __syncthreads();
+    m = red_m[lane], arg = red_a[lane];
+    warp_max_arg(m, arg);
+}
 
+// The bin of a logit: the same f32 expression as the CPU's, so both pick the same members (-inf: past the last).
+__device__ __forceinline__ int cand_bin(float m, float x) {
+    const float d = (m - x) * float(kCandidateBinsPerNat);
+    return d < float(kCandidateBins) ? int(d) : kCandidateBins;
+}
+
+// Pass 1: each slice's maximum. Block 0 also clears the row's histogram and counters for the later passes.
+__global__ void __launch_bounds__(kCandThreads) cand_max_kernel(const float * logits, int64_t n_vocab, CandRow * rows) {
+    pdl_begin();
+    __shared__ float red_m[32];
+    __shared__ int red_a[32];
+    CandRow & rc = rows[blockIdx.y];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (blockIdx.x == 0) {
+        rc.hist[threadIdx.x] = 0;
+        if (threadIdx.x == 0) rc.count = rc.done = 0;
+    }
     float m = -INFINITY;
     int arg = INT_MAX;
-    for_each_logit(row, n_vocab, [&](int64_t i, float x) {
-        if (x > m || (x == m && int(i) < arg)) m = x, arg = int(i);
+    for_each_slice_logit(logits, n_vocab, [&](int64_t i, float x, bool inside) {
+        if (inside) max_arg(m, arg, x, int(i));
     });
-    for (int o = 16; o > 0; o >>= 1) {
-        const float om = __shfl_xor_sync(kFull, m, o);
-        const int oa = __shfl_xor_sync(kFull, arg, o);
-        if (om > m || (om == m && oa < arg)) m = om, arg = oa;
-    }
+    warp_max_arg(m, arg);
     if (lane == 0) red_m[warp] = m, red_a[warp] = arg;
-    hist[threadIdx.x] = 0;
-    if (threadIdx.x == 0) s_count = 0;
     __syncthreads();
-    m = red_m[lane];
-    arg = red_a[lane];
-    for (int o = 16; o > 0; o >>= 1) {
-        const float om = __shfl_xor_sync(kFull, m, o);
-        const int oa = __shfl_xor_sync(kFull, arg, o);
-        if (om > m || (om == m && oa < arg)) m = om, arg = oa;
+    if (warp == 0) {
+        m = red_m[lane], arg = red_a[lane];
+        warp_max_arg(m, arg);
+        if (lane == 0) rc.slice_max[blockIdx.x] = m, rc.slice_arg[blockIdx.x] = arg;
     }
+}
 
-    // The bin of a logit: the same f32 expression as the CPU's, so both pick the same members.
-    auto bin_of = [m](float x) {
-        const float d = (m - x) * float(kCandidateBinsPerNat);
-        return d < float(kCandidateBins) ? int(d) : kCandidateBins;
-    };
+// Pass 2: each slice's Σ exp(l − m) (double) and its bin counts, added to the row's histogram.
+__global__ void __launch_bounds__(kCandThreads)
+    cand_hist_kernel(const float * logits, int64_t n_vocab, CandRow * rows) {
+    pdl_begin();
+    __shared__ int hist[kCandidateBins];
+    __shared__ double red_d[32];
+    CandRow & rc = rows[blockIdx.y];
+    const int lane = threadIdx.x & 31;
+    hist[threadIdx.x] = 0;
+    float m;
+    int arg;
+    row_max(rc, m, arg);  // its barrier also publishes the cleared histogram
     double sum = 0;
     if (m > -INFINITY)
-        for_each_logit(row, n_vocab, [&](int64_t, float x) {
-            if (x == -INFINITY) return;
-            sum += double(expf(x - m));
-            const int b = bin_of(x);
-            if (b < kCandidateBins) atomicAdd(&hist[b], 1);
+        for_each_slice_logit(logits, n_vocab, [&](int64_t, float x, bool) {
+            int b = kCandidateBins;
+            if (x != -INFINITY) {
+                sum += double(expf(x - m));
+                b = cand_bin(m, x);
+            }
+            const unsigned same = __match_any_sync(kFull, b);
+            if (b < kCandidateBins && lane == __ffs(same) - 1) atomicAdd(&hist[b], __popc(same));
         });
     sum = block_sum(sum, red_d);  // its barriers also publish the histogram
+    if (hist[threadIdx.x]) atomicAdd(&rc.hist[threadIdx.x], hist[threadIdx.x]);
+    if (threadIdx.x == 0) rc.slice_sum[blockIdx.x] = sum;
+}
 
-    // Bins kept: the longest run from bin 0 whose members fit in k (thread t holds bin t).
+// Pass 3: the bins kept (the longest run from bin 0 whose members fit in k), each slice's members appended to the
+// row's list; the block that finishes last sorts them by id and writes the outputs.
+__global__ void __launch_bounds__(kCandThreads)
+    cand_members_kernel(const float * logits, int64_t n_vocab, int k, CandRow * rows, int32_t * ids, float * values,
+                        float * stats) {
+    pdl_begin();
+    __shared__ unsigned long long members[kCandidateBins];
+    __shared__ int red_i[33];
+    __shared__ bool last;
+    CandRow & rc = rows[blockIdx.y];
+    const int lane = threadIdx.x & 31;
+    float m;
+    int arg;
+    row_max(rc, m, arg);
+    const int h = __ldcg(rc.hist + threadIdx.x);  // thread t holds bin t
     int excl;
-    block_exclusive_scan(hist[threadIdx.x], excl, red_i);
-    const int kept = __syncthreads_count(excl + hist[threadIdx.x] <= k);
-    if (threadIdx.x == 0) s_kept_bins = m > -INFINITY ? kept : 0;
-    __syncthreads();
-    const int kept_bins = s_kept_bins;
-
-    for_each_logit(row, n_vocab, [&](int64_t i, float x) {
-        if (bin_of(x) < kept_bins) members[atomicAdd(&s_count, 1)] = (uint64_t(i) << 32) | __float_as_uint(x);
+    block_exclusive_scan(h, excl, red_i);
+    const int kept_bins = m > -INFINITY ? __syncthreads_count(excl + h <= k) : 0;
+    for_each_slice_logit(logits, n_vocab, [&](int64_t i, float x, bool) {
+        const bool take = cand_bin(m, x) < kept_bins;
+        const unsigned votes = __ballot_sync(kFull, take);
+        if (!votes) return;
+        const int leader = __ffs(votes) - 1;
+        unsigned at = 0;
+        if (lane == leader) at = atomicAdd(&rc.count, unsigned(__popc(votes)));
+        at = __shfl_sync(kFull, at, leader) + __popc(votes & ((1u << lane) - 1));
+        if (take) rc.members[at] = (uint64_t(i) << 32) | __float_as_uint(x);
     });
+    // Every block's members are visible device-wide before it counts itself done.
+    __threadfence();
     __syncthreads();
-    const int n_cand = s_count;
-    members[threadIdx.x] = threadIdx.x < n_cand ? members[threadIdx.x] : ~0ull;
+    if (threadIdx.x == 0) last = atomicAdd(&rc.done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    const int n_cand = int(__ldcg(&rc.count));
+    members[threadIdx.x] = int(threadIdx.x) < n_cand ? __ldcg(rc.members + threadIdx.x) : ~0ull;
     __syncthreads();
     // Bitonic sort of the 1024 slots (empty ones last).
     for (int size = 2; size <= kCandThreads; size <<= 1)
@@ -873,14 +938,16 @@ __global__ void __launch_bounds__(kCandThreads) logit_candidates_kernel(const fl
             }
             __syncthreads();
         }
-    int32_t * out_ids = ids + int64_t(blockIdx.x) * k;
-    float * out_values = values + int64_t(blockIdx.x) * k;
+    int32_t * out_ids = ids + int64_t(blockIdx.y) * k;
+    float * out_values = values + int64_t(blockIdx.y) * k;
     for (int j = threadIdx.x; j < k; j += kCandThreads) {
         out_ids[j] = j < n_cand ? int32_t(members[j] >> 32) : -1;
         out_values[j] = j < n_cand ? __uint_as_float(uint32_t(members[j])) : -INFINITY;
     }
     if (threadIdx.x == 0) {
-        float * st = stats + 4 * int64_t(blockIdx.x);
+        double sum = 0;  // the slices in order: the same total every run
+        for (int b = 0; b < int(gridDim.x); ++b) sum += __ldcg(rc.slice_sum + b);
+        float * st = stats + 4 * int64_t(blockIdx.y);
         st[0] = m;
         st[1] = float(log(sum));
         st[2] = float(n_cand);
@@ -1081,11 +1148,16 @@ void router(const float * logits, const float * bias, const int32_t * tid2eid, c
            tokens, n, int(n_expert), int(k), route_scale, experts, weights);
 }
 
+size_t logit_candidates_scratch(int64_t rows) { return size_t(rows) * sizeof(CandRow); }
+
 void logit_candidates(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
-                      float * stats, cudaStream_t s) {
-    if (rows > 0)
-        launch(logit_candidates_kernel, dim3(unsigned(rows)), dim3(kCandThreads), 0, s, logits, n_vocab, int(k), ids,
-               values, stats);
+                      float * stats, void * scratch, cudaStream_t s) {
+    if (rows <= 0) return;
+    CandRow * cand = static_cast<CandRow *>(scratch);
+    const dim3 grid(unsigned(cand_slices(n_vocab)), unsigned(rows));
+    launch(cand_max_kernel, grid, dim3(kCandThreads), 0, s, logits, n_vocab, cand);
+    launch(cand_hist_kernel, grid, dim3(kCandThreads), 0, s, logits, n_vocab, cand);
+    launch(cand_members_kernel, grid, dim3(kCandThreads), 0, s, logits, n_vocab, int(k), cand, ids, values, stats);
 }
 
 }  // namespace dsv4::cuda
