@@ -149,9 +149,11 @@ int run_kernels(const CudaBackendOptions & options) {
         const Tensor fn = B.weight(GgmlType::F16, hc * D, mix), scale = B.act(3), base = B.act(mix);
         for (int64_t n : {1, 8192}) {
             const Tensor streams = B.act(D, hc, 1, n), y = B.act(D, n), post = B.act(hc, n), comb = B.act(hc, hc, 1, n);
-            const double us =
-                B.time([&] { B.b.hc_pre(streams, fn, scale, base, 20, 1e-6f, 1e-6f, Tensor{}, y, post, comb); },
-                       n > 1 ? 5 : 50);
+            const double us = B.time(
+                [&] {
+                    B.b.hc_pre(streams, HcPre{fn, scale, base, Tensor{}, 20, 1e-6f, 1e-6f}, y, post, comb);
+                },
+                n > 1 ? 5 : 50);
             std::printf("hc_pre 4 x 4096, 24 mixing rows n=%-4ld %9.1f us  %7.1f GB/s of streams\n", n, us,
                         double(n * hc * D * 4) / us / 1e3);
         }

@@ -96,6 +96,16 @@ struct MatmulTarget {
     Tensor y;  // F32 [n, out_i]
 };
 
+// A sublayer's hyper-connection input (hc_pre): its mixing weights, Sinkhorn's settings and its input norm.
+struct HcPre {
+    Tensor fn;     // [hc·D, (2+hc)·hc], any weight type
+    Tensor scale;  // F32 [3]
+    Tensor base;   // F32 [(2+hc)·hc]
+    Tensor norm;   // F32 [D], or none (y left unnormed)
+    int iters = 0;
+    float eps_hc = 0.0f, eps_norm = 0.0f;
+};
+
 class Backend {
   public:
     virtual ~Backend() = default;
@@ -163,12 +173,10 @@ class Backend {
     // ---- hyper-connections -----------------------------------------------------------------------------------
     // streams [n, hc, D]: every stream of token t starts as x[t] (x [n, D]).
     virtual void hc_expand(const Tensor & x, const Tensor & streams) = 0;
-    // streams [n, hc, D]; fn [hc·D, (2+hc)·hc] (any weight type); scale F32 [3]; base F32 [(2+hc)·hc].
-    // Outputs: y [n, D] = Σ_h pre_h·stream_h, then, when norm F32 [D] is given, RMS-normed (eps_norm) and scaled
-    // by it (the sublayer's input norm); post [n, hc]; comb [n, hc, hc] (source, destination), Sinkhorn-
-    // normalised with `iters` iterations.
-    virtual void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                        float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+    // streams [n, hc, D]; w as HcPre describes. Outputs: y [n, D] = Σ_h pre_h·stream_h, then, when w.norm is given,
+    // RMS-normed (w.eps_norm) and scaled by it (the sublayer's input norm); post [n, hc]; comb [n, hc, hc] (source,
+    // destination), Sinkhorn-normalised with w.iters iterations.
+    virtual void hc_pre(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
                         const Tensor & comb) = 0;
     // out[t, j] = post[t, j]·o[t] + Σ_i comb[t, i, j]·streams[t, i]. out [n, hc, D] must not alias streams.
     virtual void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
@@ -177,10 +185,9 @@ class Backend {
     // into the streams and the next sublayer's input in one op, which a device backend runs as one kernel for a
     // few tokens (a decode step). post and comb are read as HCPost's inputs, then overwritten.
     virtual void hc_post_pre(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
-                             const Tensor & out, const Tensor & fn, const Tensor & scale, const Tensor & base,
-                             int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y) {
+                             const Tensor & out, const HcPre & w, const Tensor & y) {
         hc_post(streams, o, post, comb, out);
-        hc_pre(out, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb);
+        hc_pre(out, w, y, post, comb);
     }
     // Final collapse: z [n, D] = Σ_h (σ(scale·μ_h + base_h) + eps_hc)·stream_h with μ = fn · rms0(streams).
     // fn [hc·D, hc]; scale F32 [1]; base F32 [hc].

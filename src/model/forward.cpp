@@ -355,16 +355,18 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
     b.read(first(w.logits, n), logits, size_t(n * c.n_vocab) * sizeof(float));
 }
 
+HcPre Model::hc_pre_of(const Tensor & fn, const Tensor & scale, const Tensor & base, const Tensor & norm) const {
+    return {fn, scale, base, norm, int(config_.hc_iters), config_.hc_eps, config_.norm_eps};
+}
+
 void Model::attn_pre(const LayerWeights & L, const Tensor & streams, int64_t n) {
-    const ModelConfig & c = config_;
     Workspace & w = *ws_;
-    backend_.hc_pre(streams, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, int(c.hc_iters), c.hc_eps, c.norm_eps,
-                    L.attn_norm, first(w.xn, n), first(w.post, n), first(w.comb, n));
+    backend_.hc_pre(streams, hc_pre_of(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, L.attn_norm), first(w.xn, n),
+                    first(w.post, n), first(w.comb, n));
 }
 
 void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
                   int64_t n, Tensor & streams, Tensor & streams2, const LayerWeights * next) {
-    const ModelConfig & c = config_;
     Workspace & w = *ws_;
     Backend & b = backend_;
     Tensor xn = first(w.xn, n), out = first(w.out, n);
@@ -374,16 +376,16 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
     trace("attn_in", il, xn);
     attention(L, lc, S, il, pos0, n);
     trace("attn_out", il, out);
-    b.hc_post_pre(streams, out, post, comb, streams2, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, int(c.hc_iters),
-                  c.hc_eps, c.norm_eps, L.ffn_norm, xn);
+    b.hc_post_pre(streams, out, post, comb, streams2, hc_pre_of(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, L.ffn_norm),
+                  xn);
     std::swap(streams, streams2);
 
     trace("mlp_in", il, xn);
     ffn(L, lc, il, n);
     trace("mlp_out", il, out);
     if (next)
-        b.hc_post_pre(streams, out, post, comb, streams2, next->hc_attn_fn, next->hc_attn_scale, next->hc_attn_base,
-                      int(c.hc_iters), c.hc_eps, c.norm_eps, next->attn_norm, xn);
+        b.hc_post_pre(streams, out, post, comb, streams2,
+                      hc_pre_of(next->hc_attn_fn, next->hc_attn_scale, next->hc_attn_base, next->attn_norm), xn);
     else
         b.hc_post(streams, out, post, comb, streams2);
     std::swap(streams, streams2);

@@ -113,6 +113,8 @@ class Model {
                    int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
     void write_positions(int64_t pos0, int64_t n);
+    // A sublayer's HCPre: its mixing weights and input norm with the model's Sinkhorn settings.
+    HcPre hc_pre_of(const Tensor & fn, const Tensor & scale, const Tensor & base, const Tensor & norm) const;
     // HC head, final norm and LM head of `rows` rows of streams into logits [V, rows].
     void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
               const Tensor & norm, int64_t rows, const Tensor & logits);

@@ -593,8 +593,8 @@ TEST(Ops, HyperConnections) {
         const Both base = s.values(randn(size_t(mix), 0.5f), mix);
         const Both y = s.out(GgmlType::F32, D, n), post = s.out(GgmlType::F32, hc, n),
                    comb = s.out(GgmlType::F32, hc, hc, 1, n);
-        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, Tensor{}, y.g, post.g, comb.g);
-        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, Tensor{}, y.c, post.c, comb.c);
+        gpu().hc_pre(streams.g, HcPre{fn.g, scale.g, base.g, Tensor{}, 20, 1e-6f, 1e-6f}, y.g, post.g, comb.g);
+        cpu().hc_pre(streams.c, HcPre{fn.c, scale.c, base.c, Tensor{}, 20, 1e-6f, 1e-6f}, y.c, post.c, comb.c);
         compare("hc_pre y" + tag, y, 1e-5);
         compare("hc_pre post" + tag, post, 1e-5);
         compare("hc_pre comb (Sinkhorn 20)" + tag, comb, 1e-5);
@@ -604,8 +604,10 @@ TEST(Ops, HyperConnections) {
         const Both gamma = s.values(gv, D);
         const Both yn = s.out(GgmlType::F32, D, n), post2 = s.out(GgmlType::F32, hc, n),
                    comb2 = s.out(GgmlType::F32, hc, hc, 1, n);
-        gpu().hc_pre(streams.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, gamma.g, yn.g, post2.g, comb2.g);
-        cpu().hc_pre(streams.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, gamma.c, yn.c, post2.c, comb2.c);
+        const HcPre normed_g{fn.g, scale.g, base.g, gamma.g, 20, 1e-6f, 1e-6f},
+            normed_c{fn.c, scale.c, base.c, gamma.c, 20, 1e-6f, 1e-6f};
+        gpu().hc_pre(streams.g, normed_g, yn.g, post2.g, comb2.g);
+        cpu().hc_pre(streams.c, normed_c, yn.c, post2.c, comb2.c);
         compare("hc_pre normed y" + tag, yn, 1e-5);
         compare("hc_pre normed post" + tag, post2, 1e-5);
         Both yr = s.out(GgmlType::F32, D, n);
@@ -619,10 +621,8 @@ TEST(Ops, HyperConnections) {
         // HCPost fused with the next HCPre (one kernel below 16 tokens): the streams it writes, then what hc_pre
         // gives on them; post2 and comb2 are its inputs and then its outputs.
         const Both out2 = s.out(GgmlType::F32, D, hc, 1, n), y3 = s.out(GgmlType::F32, D, n);
-        gpu().hc_post_pre(streams.g, o.g, post2.g, comb2.g, out2.g, fn.g, scale.g, base.g, 20, 1e-6f, 1e-6f, gamma.g,
-                          y3.g);
-        cpu().hc_post_pre(streams.c, o.c, post2.c, comb2.c, out2.c, fn.c, scale.c, base.c, 20, 1e-6f, 1e-6f, gamma.c,
-                          y3.c);
+        gpu().hc_post_pre(streams.g, o.g, post2.g, comb2.g, out2.g, normed_g, y3.g);
+        cpu().hc_post_pre(streams.c, o.c, post2.c, comb2.c, out2.c, normed_c, y3.c);
         compare("hc_post_pre streams" + tag, out2, 1e-5);
         compare("hc_post_pre normed y" + tag, y3, 1e-5);
         compare("hc_post_pre post" + tag, post2, 1e-5);

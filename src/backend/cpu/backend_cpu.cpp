@@ -229,36 +229,35 @@ class CpuBackend final : public Backend {
                 std::memcpy(streams.f32() + (t * hc + h) * width, x.f32() + t * width, size_t(width) * sizeof(float));
     }
 
-    void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+    void hc_pre(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
                 const Tensor & comb) override {
         const int64_t width = streams.ne[0];
         const int64_t hc = streams.ne[1];
         const int64_t n = streams.rows() / hc;
-        const int64_t n_mix = fn.ne[1];
-        const float * sc = scale.f32();
-        const float * bs = base.f32();
+        const int64_t n_mix = w.fn.ne[1];
+        const float * sc = w.scale.f32();
+        const float * bs = w.base.f32();
         pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int thread) {
             float * mix = scratch_floats(thread, size_t(n_mix));
             for (size_t t = b; t < e; ++t) {
                 const float * x = streams.f32() + int64_t(t) * hc * width;
-                mix_weights(fn, x, hc * width, eps_norm, mix);
+                mix_weights(w.fn, x, hc * width, w.eps_norm, mix);
                 float * pt = post.f32() + int64_t(t) * hc;
                 float * ct = comb.f32() + int64_t(t) * hc * hc;
                 float pre[64];
                 for (int64_t h = 0; h < hc; ++h) {
-                    pre[h] = sigmoid(mix[h] * sc[0] + bs[h]) + eps_hc;
+                    pre[h] = sigmoid(mix[h] * sc[0] + bs[h]) + w.eps_hc;
                     pt[h] = 2.0f * sigmoid(mix[hc + h] * sc[1] + bs[hc + h]);
                 }
                 for (int64_t i = 0; i < hc * hc; ++i) ct[i] = mix[2 * hc + i] * sc[2] + bs[2 * hc + i];
-                sinkhorn(ct, hc, iters, eps_hc);
+                sinkhorn(ct, hc, w.iters, w.eps_hc);
                 float * yt = y.f32() + int64_t(t) * width;
                 for (int64_t c = 0; c < width; ++c) {
                     float s = 0;
                     for (int64_t h = 0; h < hc; ++h) s += pre[h] * x[h * width + c];
                     yt[c] = s;
                 }
-                if (norm) norm_row(yt, norm.f32(), yt, width, eps_norm);
+                if (w.norm) norm_row(yt, w.norm.f32(), yt, width, w.eps_norm);
             }
         });
     }

@@ -373,19 +373,17 @@ class CudaBackend final : public Backend {
         launched("hc_expand");
     }
 
-    void hc_pre(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y, const Tensor & post,
+    void hc_pre(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
                 const Tensor & comb) override {
         const OpScope scope(*this, "hc_pre");
-        cuda::hc_mix(hc_pre_args(streams, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb), stream_);
+        cuda::hc_mix(hc_pre_args(streams, w, y, post, comb), stream_);
         launched("hc_pre");
     }
 
     void hc_post_pre(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
-                     const Tensor & out, const Tensor & fn, const Tensor & scale, const Tensor & base, int iters,
-                     float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y) override {
+                     const Tensor & out, const HcPre & w, const Tensor & y) override {
         const OpScope scope(*this, "hc_post_pre");
-        cuda::HcArgs a = hc_pre_args(out, fn, scale, base, iters, eps_hc, eps_norm, norm, y, post, comb);
+        cuda::HcArgs a = hc_pre_args(out, w, y, post, comb);
         a.post_streams = streams.f32();
         a.post_o = o.f32();
         cuda::hc_mix(a, stream_);
@@ -783,14 +781,13 @@ class CudaBackend final : public Backend {
         launched("matmul");
     }
 
-    cuda::HcArgs hc_pre_args(const Tensor & streams, const Tensor & fn, const Tensor & scale, const Tensor & base,
-                             int iters, float eps_hc, float eps_norm, const Tensor & norm, const Tensor & y,
-                             const Tensor & post, const Tensor & comb) {
-        cuda::HcArgs a = hc_args(streams, fn, scale, base, eps_hc, eps_norm, y, false);
-        DSV4_CHECK(!norm || a.width * sizeof(float) <= 48 * 1024, "cuda hc_pre: normed width {} is more than 12288",
+    cuda::HcArgs hc_pre_args(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
+                             const Tensor & comb) {
+        cuda::HcArgs a = hc_args(streams, w.fn, w.scale, w.base, w.eps_hc, w.eps_norm, y, false);
+        DSV4_CHECK(!w.norm || a.width * sizeof(float) <= 48 * 1024, "cuda hc_pre: normed width {} is more than 12288",
                    a.width);
-        a.norm = norm ? norm.f32() : nullptr;
-        a.iters = iters;
+        a.norm = w.norm ? w.norm.f32() : nullptr;
+        a.iters = w.iters;
         a.post = post.f32();
         a.comb = comb.f32();
         return a;
