@@ -115,7 +115,7 @@ class Model {
     void write_positions(int64_t pos0, int64_t n);
     // A sublayer's HCPre: its mixing weights and input norm with the model's Sinkhorn settings.
     HcPre hc_pre_of(const Tensor & fn, const Tensor & scale, const Tensor & base, const Tensor & norm) const;
-    // HC head, final norm and LM head of `rows` rows of streams into logits [V, rows].
+    // HC head, final norm and LM head of `rows` rows of streams into logits F32 [rows, V].
     void head(const Tensor & streams, const Tensor & hc_fn, const Tensor & hc_scale, const Tensor & hc_base,
               const Tensor & norm, int64_t rows, const Tensor & logits);
     void trace(std::string_view name, int64_t layer, const Tensor & t) const {
