@@ -26,9 +26,10 @@ void CUPTIAPI buffer_requested(uint8_t ** buffer, size_t * size, size_t * max_re
 }
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, size_t valid) {
-    const char * path = std::getenv("DSV4_KTRACE");
-    FILE * f = std::fopen(path ? path : "/tmp/dsv4-ktrace.txt", "a");
-    if (!f) std::fprintf(stderr, "dsv4-ktrace: cannot open %s\n", path ? path : "/tmp/dsv4-ktrace.txt");
+    const char * env = std::getenv("DSV4_KTRACE");
+    const char * path = env ? env : "/tmp/dsv4-ktrace.txt";
+    FILE * f = std::fopen(path, "a");
+    if (!f) std::fprintf(stderr, "dsv4-ktrace: cannot open %s\n", path);
     CUpti_Activity * record = nullptr;
     while (f && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
         if (record->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {

@@ -196,7 +196,9 @@ TEST_P(CudaModel, DecodeCandidatesAreTheStatesOwnRow) {
         float lowest = INFINITY;
         for (int64_t j = 0; j < count; ++j) {
             ASSERT_EQ(values[size_t(j)], row[size_t(ids[size_t(j)])]) << what << " candidate " << j;
-            if (j > 0) ASSERT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+            if (j > 0) {
+                ASSERT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+            }
             lowest = std::min(lowest, values[size_t(j)]);
         }
         int64_t above = 0;  // logits at or above the lowest candidate: exactly the candidates

@@ -816,19 +816,24 @@ __device__ __forceinline__ void warp_max_arg(float & m, int & arg) {
     for (int o = 16; o > 0; o >>= 1) max_arg(m, arg, __shfl_xor_sync(kFull, m, o), __shfl_xor_sync(kFull, arg, o));
 }
 
-// The row's maximum and its lowest id from the slices' (every block of the later passes reads them).
-__device__ void row_max(const CandRow & rc, float & m, int & arg) {
+// The block's largest (m, arg) by max_arg; every thread gets it (1024 threads: 32 warps).
+__device__ void block_max_arg(float & m, int & arg) {
     __shared__ float red_m[32];
     __shared__ int red_a[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    m = -INFINITY, arg = INT_MAX;
-    if (int(threadIdx.x) < int(gridDim.x))
-        m = __ldcg(rc.slice_max + threadIdx.x), arg = __ldcg(rc.slice_arg + threadIdx.x);
     warp_max_arg(m, arg);
     if (lane == 0) red_m[warp] = m, red_a[warp] = arg;
     __syncthreads();
     m = red_m[lane], arg = red_a[lane];
     warp_max_arg(m, arg);
+}
+
+// The row's maximum and its lowest id from the slices' (every block of the later passes reads them).
+__device__ void row_max(const CandRow & rc, float & m, int & arg) {
+    m = -INFINITY, arg = INT_MAX;
+    if (int(threadIdx.x) < int(gridDim.x))
+        m = __ldcg(rc.slice_max + threadIdx.x), arg = __ldcg(rc.slice_arg + threadIdx.x);
+    block_max_arg(m, arg);
 }
 
 // The bin of a logit: the same f32 expression as the CPU's, so both pick the same members (-inf: past the last).
@@ -840,10 +845,7 @@ __device__ __forceinline__ int cand_bin(float m, float x) {
 // Pass 1: each slice's maximum. Block 0 also clears the row's histogram and counters for the later passes.
 __global__ void __launch_bounds__(kCandThreads) cand_max_kernel(const float * logits, int64_t n_vocab, CandRow * rows) {
     pdl_begin();
-    __shared__ float red_m[32];
-    __shared__ int red_a[32];
     CandRow & rc = rows[blockIdx.y];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (blockIdx.x == 0) {
         rc.hist[threadIdx.x] = 0;
         if (threadIdx.x == 0) rc.count = rc.done = 0;
@@ -853,14 +855,8 @@ __global__ void __launch_bounds__(kCandThreads) cand_max_kernel(const float * lo
     for_each_slice_logit(logits, n_vocab, [&](int64_t i, float x, bool inside) {
         if (inside) max_arg(m, arg, x, int(i));
     });
-    warp_max_arg(m, arg);
-    if (lane == 0) red_m[warp] = m, red_a[warp] = arg;
-    __syncthreads();
-    if (warp == 0) {
-        m = red_m[lane], arg = red_a[lane];
-        warp_max_arg(m, arg);
-        if (lane == 0) rc.slice_max[blockIdx.x] = m, rc.slice_arg[blockIdx.x] = arg;
-    }
+    block_max_arg(m, arg);
+    if (threadIdx.x == 0) rc.slice_max[blockIdx.x] = m, rc.slice_arg[blockIdx.x] = arg;
 }
 
 // Pass 2: each slice's Σ exp(l − m) (double) and its bin counts, added to the row's histogram.
