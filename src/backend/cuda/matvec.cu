@@ -529,14 +529,14 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
     const int k = int(t.w.ne0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-    // Shared memory: [IQ2 tables] codes, scales, sums.
+    // Shared memory: the IQ2 grid (a static array: its address is a constant, so that a lookup is one load at an
+    // offset, not an address sum and a load), then in dynamic memory the tile's codes, scales, sums.
     uint8_t * p = smem;
     Tables tab{nullptr};
     if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
-        uint64_t * grid = reinterpret_cast<uint64_t *>(p);
+        __shared__ uint64_t grid[256];
         for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = t.w.iq2->grid[i];
         tab = {grid};
-        p += 256 * sizeof(uint64_t);
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);
@@ -767,13 +767,10 @@ bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t
 
 Act act_of(GgmlType t) { return t == GgmlType::Q8_0 || t == GgmlType::MXFP4 ? Act::q8a : Act::q8k; }
 
-// Shared memory of a block that multiplies weights of type t: the IQ2 tables, and the activation tile of
-// several tokens.
-size_t tables_smem(GgmlType t) { return t == GgmlType::IQ2_XXS ? 256 * sizeof(uint64_t) : 0; }
-
+// Dynamic shared memory of a block that multiplies weights of type t: the activation tile of several tokens.
 size_t quant_smem(GgmlType t, int nt, int64_t k) {
     if (is_float(t)) return 0;
-    return tables_smem(t) + (nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0);
+    return nt > 1 ? act_smem_bytes(act_of(t), nt, k) : 0;
 }
 
 // Row groups of a target of `rows` rows: a block's warps take kRowsPerWarp rows each, split warps sharing one.
