@@ -465,9 +465,10 @@ __device__ __forceinline__ const float * key_row(const AttentionArgs & a, const 
 // gridDim.y blocks; with one split the output is final, else a partial (max, denominator, numerator) per split.
 template <int DPL>
 __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const AttentionArgs a, int64_t per_split) {
-    pdl_begin();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t h = int64_t(blockIdx.x) * kAttnWarps + warp, t = blockIdx.z, split = blockIdx.y;
+    const float sink = gridDim.y == 1 && h < a.heads ? a.sinks[h] : 0.0f;  // a weight: read before the wait
+    pdl_begin();
     if (h >= a.heads) return;
     const int64_t d = a.dim;
     const KeyList kl = key_list(a, a.positions[t]);
@@ -527,7 +528,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
         m = m_new;
     }
     if (gridDim.y == 1) {
-        const float sink = a.sinks[h];
         const float mf = fmaxf(m, sink);
         const float c = m == -INFINITY ? 0.0f : expf(m - mf);
         const float inv = 1.0f / (den * c + expf(sink - mf));
@@ -564,15 +564,15 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
 // two channels over the splits. A block per head, not a warp, so a decode step's 64 heads keep 64 SMs busy, and
 // the split loop's loads are independent (no branch around them) so they overlap.
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
-    pdl_begin();
     constexpr int kMaxSplits = 64;
     __shared__ float weight[kMaxSplits];
     __shared__ float s_inv;
     const int64_t th = blockIdx.x, h = th % a.heads, d = a.dim;
+    const float sink = a.sinks[h];  // a weight: read before the wait
+    pdl_begin();
     const float * part = a.partial + th * splits * (d + 2);
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
-        const float sink = a.sinks[h];
         float mf = sink;
         for (int s = lane; s < splits; s += 32) mf = fmaxf(mf, part[s * (d + 2)]);
         mf = warp_max(mf);

@@ -112,11 +112,47 @@ __global__ void get_rows_kernel(WeightRef table, const int32_t * ids, float * ou
 // ---------------------------------------------------------------------------------------------------------------------
 // Norms, RoPE, element-wise
 // ---------------------------------------------------------------------------------------------------------------------
+// A norm's weights (gamma: a weight, which no kernel writes) for this thread's elements threadIdx.x + j·blockDim.x,
+// read before the kernel waits for the previous one: a one-token norm is a chain of round trips (x, its sum over
+// the block, gamma), and this takes gamma's out of it. Rows wider than kNormRegs values a thread read gamma as
+// they go; g then holds nothing.
+constexpr int kNormRegs = 16;  // the decode rows: 4096 over 256 threads
+__device__ __forceinline__ bool norm_in_regs(int64_t width) { return width <= int64_t(kNormRegs) * blockDim.x; }
+__device__ __forceinline__ void load_gamma(const float * gamma, int64_t width, float (&g)[kNormRegs]) {
+    if (!norm_in_regs(width)) return;
+#pragma unroll
+    for (int j = 0; j < kNormRegs; ++j) {
+        const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+        g[j] = gamma && i < width ? gamma[i] : 1.0f;
+    }
+}
+
 __global__ void rms_norm_kernel(const float * x, const float * gamma, float * y, int64_t width, float eps) {
+    float g[kNormRegs];
+    load_gamma(gamma, width, g);
     pdl_begin();
     __shared__ double red[32];
     const float * xr = x + int64_t(blockIdx.x) * width;
     float * yr = y + int64_t(blockIdx.x) * width;
+    if (norm_in_regs(width)) {  // the same sums as the loop below: each thread's elements in order, then the block
+        float v[kNormRegs];
+#pragma unroll
+        for (int j = 0; j < kNormRegs; ++j) {
+            const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+            v[j] = i < width ? xr[i] : 0.0f;
+        }
+        double ss = 0;
+#pragma unroll
+        for (int j = 0; j < kNormRegs; ++j) ss += double(v[j]) * double(v[j]);
+        ss = block_sum(ss, red);
+        const float scale = 1.0f / sqrtf(float(ss / double(width)) + eps);
+#pragma unroll
+        for (int j = 0; j < kNormRegs; ++j) {
+            const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+            if (i < width) yr[i] = gamma ? g[j] * (v[j] * scale) : v[j] * scale;
+        }
+        return;
+    }
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) ss += double(xr[i]) * double(xr[i]);
     ss = block_sum(ss, red);
@@ -141,7 +177,6 @@ __global__ void rope_kernel(float * x, int64_t n, int64_t heads, int64_t width, 
 // copy with the expressions of rms_norm_kernel (same block size for the same width: same sum order), rope_kernel,
 // fp8_kernel and store_rows. A decode step's query heads and K=V row share a launch (one dependent step fewer).
 __global__ void norm_rope_kernel(NormRopeArgs a) {
-    pdl_begin();
     extern __shared__ float row[];  // [width]
     __shared__ double red[32];
     int64_t th = blockIdx.x;
@@ -149,6 +184,9 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     while (ti + 1 < a.n_targets && th >= a.n * a.t[ti].heads) th -= a.n * a.t[ti++].heads;
     const NormRopeRows & r = a.t[ti];
     const int64_t t = th / r.heads, h = th % r.heads, width = r.width;
+    float g[kNormRegs];
+    load_gamma(r.gamma, width, g);
+    pdl_begin();
     float * xr = r.x + th * width;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
@@ -157,9 +195,17 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     }
     ss = block_sum(ss, red);
     const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = row[i] * scale;
-        row[i] = r.gamma ? r.gamma[i] * v : v;
+    if (norm_in_regs(width)) {
+#pragma unroll
+        for (int j = 0; j < kNormRegs; ++j) {
+            const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+            if (i < width) row[i] = r.gamma ? g[j] * (row[i] * scale) : row[i] * scale;
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+            const float v = row[i] * scale;
+            row[i] = r.gamma ? r.gamma[i] * v : v;
+        }
     }
     __syncthreads();
     const int32_t pos = a.positions[t];
@@ -963,18 +1009,20 @@ constexpr int kRouterWarps = 4;
 
 __global__ void router_kernel(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens,
                               int64_t n, int n_expert, int k, float route_scale, int32_t * experts, float * weights) {
-    pdl_begin();
     extern __shared__ float sm_router[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
-    if (t >= n) return;
     float * p = sm_router + warp * 2 * n_expert;
     float * score = p + n_expert;
+    // The bias (a weight) waits in score before the previous kernel ends: one round trip fewer after it.
+    for (int e = lane; e < n_expert; e += 32) score[e] = bias ? bias[e] : 0.0f;
+    pdl_begin();
+    if (t >= n) return;
     const float * lt = logits + t * n_expert;
     for (int e = lane; e < n_expert; e += 32) {
         const float x = lt[e];
         p[e] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
-        score[e] = p[e] + (bias ? bias[e] : 0.0f);
+        score[e] += p[e];
     }
     __syncwarp();
     // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of what this warp just stored.
