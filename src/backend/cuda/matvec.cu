@@ -991,10 +991,23 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, 
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * width) return;
     const int64_t t = i / width, c = i % width;
+    // kBatch choices' rows loaded together (a loop waited for each: its loads hung on the expert id's test), then
+    // added in choice order.
+    constexpr int kBatch = 8;
     float s = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        const int e = experts[t * k + j];
-        if (e >= 0 && e < n_expert) s += weights[t * k + j] * ybuf[(t * k + j) * width + c];
+    for (int j0 = 0; j0 < k; j0 += kBatch) {
+        float w[kBatch], y[kBatch];
+        bool used[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int e = j0 + j < k ? experts[t * k + j0 + j] : -1;
+            used[j] = e >= 0 && e < n_expert;
+            w[j] = used[j] ? weights[t * k + j0 + j] : 0.0f;
+            y[j] = used[j] ? ybuf[(t * k + j0 + j) * width + c] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j)
+            if (used[j]) s += w[j] * y[j];
     }
     out[i] = s;
 }

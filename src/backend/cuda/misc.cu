@@ -1019,10 +1019,19 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
     pdl_begin();
     if (t >= n) return;
     const float * lt = logits + t * n_expert;
-    for (int e = lane; e < n_expert; e += 32) {
-        const float x = lt[e];
-        p[e] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
-        score[e] += p[e];
+    // kBatch logits a lane loaded together (V4's 256 experts: all eight of a lane), then their scores.
+    constexpr int kBatch = 8;
+    for (int e0 = lane; e0 < n_expert; e0 += 32 * kBatch) {
+        float x[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) x[j] = e0 + 32 * j < n_expert ? lt[e0 + 32 * j] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const int e = e0 + 32 * j;
+            if (e >= n_expert) break;
+            p[e] = sqrtf(x[j] > 20.0f ? x[j] : log1pf(expf(x[j])));
+            score[e] += p[e];
+        }
     }
     __syncwarp();
     // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of what this warp just stored.
