@@ -9,6 +9,9 @@
 //     as y = W·x to each activation row. Routed experts are [in, out, n_expert] (expert e is one matrix).
 //   - Ops are asynchronous on a backend with a device: they are ordered, and results reach the host only through
 //     read(). Shapes are checked by the caller (model/forward); ops assert them only in debug builds.
+//   - Weight arguments (matrices, a norm's gamma, biases, sinks, the mixing parameters) are never written by an op
+//     of the sequence that reads them: a device backend may read them before the previous op has ended (CUDA
+//     reads them before its programmatic-dependent-launch wait).
 //   - Token positions come as an I32 tensor in backend memory (positions[t] for row t), never as host integers,
 //     and no op's launch depends on a position: one decode step is the same op sequence at every position, so a
 //     device backend can capture it once and replay it.
