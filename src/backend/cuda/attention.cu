@@ -572,16 +572,27 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     pdl_begin();
     const float * part = a.partial + th * splits * (d + 2);
     if (threadIdx.x < 32) {
+        // A lane's splits (lane, lane + 32) and their maxima and denominators, loaded at once.
         const int lane = threadIdx.x;
+        float ms[kMaxSplits / 32], dn[kMaxSplits / 32];
+#pragma unroll
+        for (int i = 0; i < kMaxSplits / 32; ++i) {
+            const int s = lane + 32 * i;
+            ms[i] = s < splits ? part[s * (d + 2)] : -INFINITY;
+            dn[i] = s < splits ? part[s * (d + 2) + 1] : 0.0f;
+        }
         float mf = sink;
-        for (int s = lane; s < splits; s += 32) mf = fmaxf(mf, part[s * (d + 2)]);
+#pragma unroll
+        for (int i = 0; i < kMaxSplits / 32; ++i) mf = fmaxf(mf, ms[i]);
         mf = warp_max(mf);
         float den = 0.0f;
-        for (int s = lane; s < splits; s += 32) {
-            const float ms = part[s * (d + 2)];
-            const float wgt = ms == -INFINITY ? 0.0f : expf(ms - mf);
+#pragma unroll
+        for (int i = 0; i < kMaxSplits / 32; ++i) {
+            const int s = lane + 32 * i;
+            if (s >= splits) break;
+            const float wgt = ms[i] == -INFINITY ? 0.0f : expf(ms[i] - mf);
             weight[s] = wgt;
-            den += wgt == 0.0f ? 0.0f : part[s * (d + 2) + 1] * wgt;
+            den += wgt == 0.0f ? 0.0f : dn[i] * wgt;
         }
         den = warp_sum(den) + expf(sink - mf);
         if (lane == 0) s_inv = 1.0f / den;
@@ -590,8 +601,9 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     const float inv = s_inv;
     // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN. The
     // numerators of kBatch splits are loaded before any is added (a decode step has 16-64 splits: one L2 round trip
-    // per split was most of this kernel's time); the sum order stays split by split.
-    constexpr int kBatch = 8;
+    // per split was most of this kernel's time, and one per 8 splits still 5 for a CSA layer's 33); the sum order
+    // stays split by split.
+    constexpr int kBatch = 32;
     for (int64_t e = 2 * int64_t(threadIdx.x); e < d; e += 2 * int64_t(blockDim.x)) {
         float acc0 = 0.0f, acc1 = 0.0f;
         const bool pair = e + 1 < d;
