@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // With kMix the rows' warp sums are independent chains of shuffles the compiler interleaves; with a runtime
     // count each ends in a branch, and the 24 chains of five dependent shuffles ran one after another (session 12:
-    // a V4 boundary 13.7 → 10.7 µs in the decode graph).
+    // a V4 boundary 13.7 → 10.6 µs in the decode graph).
 #pragma unroll
     for (int i = 0; i < (kMix > 0 ? kMix : kMaxMix); ++i) {
         if (kMix == 0 && i >= n_mix) break;
