@@ -288,6 +288,10 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12},
                              // one token whose quantized row is too wide to quantize in the block
                              MatCase{GgmlType::Q2_K, 32768, 24, 1}, MatCase{GgmlType::Q8_0, 65536, 8, 1},
+                             // one token: rows split over 4 and 8 warps (16384 and 32768 wide), a width that is
+                             // not a power of two
+                             MatCase{GgmlType::Q8_0, 16384, 40, 1}, MatCase{GgmlType::Q8_0, 32768, 20, 1},
+                             MatCase{GgmlType::Q8_0, 1280, 300, 1},
                              // prefill on the tensor cores: every type, partial tiles of rows and tokens, real shapes;
                              // F32 and widths not a multiple of 64 stay on the integer path
                              MatCase{GgmlType::F16, 256, 96, 64}, MatCase{GgmlType::BF16, 512, 64, 100},
@@ -325,8 +329,9 @@ TEST(Ops, MatmulGroupedOutputProjection) {
     compare("matmul_grouped f32 [16, 2x24] n=5", y, 1e-5);
 }
 
-// The projections of one input in one call: the attention's seven (Q8_0 and F16: one launch), the FFN's three,
-// a mix of other types (one launch per type), and more targets than one launch takes.
+// The projections of one input in one call: the attention's seven (Q8_0 and F16: one launch), a sliding layer's
+// two (Q8_0 only), the FFN's three, a mix of other types (one launch per type), and more targets than one launch
+// takes.
 TEST(Ops, MatmulMany) {
     struct Proj {
         GgmlType type;
@@ -336,6 +341,7 @@ TEST(Ops, MatmulMany) {
                                          {GgmlType::F16, 1024},  {GgmlType::F16, 256},  {GgmlType::F16, 256},
                                          {GgmlType::F16, 64}};
     const std::vector<Proj> ffn = {{GgmlType::F16, 256}, {GgmlType::Q8_0, 2048}, {GgmlType::Q8_0, 2048}};
+    const std::vector<Proj> sliding = {{GgmlType::Q8_0, 1024}, {GgmlType::Q8_0, 512}};  // q_a and kv: Q8_0 only
     const std::vector<Proj> mixed = {{GgmlType::Q2_K, 70},    {GgmlType::Q8_0, 33}, {GgmlType::F32, 17},
                                      {GgmlType::IQ2_XXS, 40}, {GgmlType::F16, 9},   {GgmlType::Q8_0, 5}};
     std::vector<Proj> many;
@@ -345,8 +351,9 @@ TEST(Ops, MatmulMany) {
         const std::vector<Proj> & proj;
         int64_t in;
     };
-    for (const Case & c : {Case{"attention", attention, 4096}, Case{"ffn", ffn, 4096}, Case{"mixed", mixed, 512},
-                           Case{"11 targets", many, 256}}) {
+    for (const Case & c :
+         {Case{"attention", attention, 4096}, Case{"ffn", ffn, 4096}, Case{"sliding attention", sliding, 4096},
+          Case{"mixed", mixed, 512}, Case{"11 targets", many, 256}}) {
         for (int64_t n : {1, 5, 19, 48}) {
             Store s;
             bool tc = true;
