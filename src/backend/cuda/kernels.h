@@ -90,7 +90,6 @@ struct MatvecArgs {
     bool glu = false;  // y = swiglu(w·x, w_up·x, limit)
     float limit = 0;
     int split = 1;  // set by matvec(): warps that share one row group, each over a slice of K
-    int stages = 0;  // set by matvec() for the one-token Q8_0 stream: shared-memory stages in flight per block
     // Quantized activations from matvec_quantize (row src·groups + group), per activation kind: [0] Q8A, [1] Q8_K.
     // Needed by every quantized weight type (matvec_needs_quantized); float weights read x.
     const uint8_t * xq[2] = {nullptr, nullptr};

@@ -17,8 +17,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 namespace dsv4::cuda {
 
@@ -763,146 +761,6 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// One-token Q8_0 products streamed through shared memory
-// ---------------------------------------------------------------------------------------------------------------------
-// An experiment (session 13, docs/cuda.md "Decode, session 13"), opt-in by DSV4_CUDA_STREAM=1: the design a persistent
-// decode kernel would stream its weights with. A block (one per multiprocessor) owns a contiguous range of rows, and
-// one thread keeps `stages` bulk copies of 32 KB of payload and their scales in flight (cp.async.bulk, whose arrival
-// an mbarrier counts). The first copies are issued before the PDL wait, as no kernel writes weights, so the stream
-// starts while the previous kernel ends. A stage holds sr = 32768 / K rows (a power of two), each row spread over
-// 256 / sr threads so that a row's sum is one short reduction: consumers that looped over several rows a warp, one
-// warp sum after another, made the products twice as slow. In the decode graph it equals the row-group kernel.
-constexpr int kStreamStageBytes = 32 * 1024;
-constexpr int kStreamMaxStages = 4;
-constexpr int kStreamChunks = 8;  // activation chunks a thread holds: K/16 / (kThreads / sr) is at most 8
-
-__host__ __device__ inline int stream_stage_rows(int64_t k) {
-    int sr = 1;
-    while (2 * sr * k <= kStreamStageBytes) sr *= 2;
-    return sr;
-}
-// A stage: sr rows of payload (K bytes each), then their scales (K/16 bytes each).
-__host__ __device__ inline int64_t stream_stage_bytes(int64_t k) { return stream_stage_rows(k) * (k + k / 16); }
-
-__device__ __forceinline__ void mbar_init(uint64_t * bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// Makes the initialised barriers visible to the copy engine's proxy.
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-__device__ __forceinline__ void mbar_expect_bytes(uint64_t * bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t * bar, uint32_t parity) {
-    uint32_t done = 0;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-// Global -> shared bulk copy (16-byte aligned, a multiple of 16 bytes) that counts its bytes on bar; the weights
-// are first in line for eviction from L2, as with ldg16.
-__device__ __forceinline__ void bulk_load(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
-            "r"(smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-        : "memory");
-}
-
-// Targets as in matvec_kernel (Q8_0, one token, grid z the groups); target t's blocks split its rows evenly.
-__global__ void __launch_bounds__(kThreads, 1) q8_0_stream_kernel(const MatvecArgs a) {
-    extern __shared__ __align__(128) uint8_t smem[];
-    __shared__ uint64_t full[kStreamMaxStages];
-    __shared__ float red[2][kWarps];  // a stage's shared rows' warp sums, by stage parity (see the finish below)
-    MatvecTarget t = a.t[0];
-#pragma unroll
-    for (int i = 1; i < kMaxTargets; ++i)
-        if (i < a.n_targets && int(blockIdx.x) >= a.t[i].first_block) t = a.t[i];
-    const int k = int(t.w.ne0), sr = stream_stage_rows(k), stages = a.stages;
-    const int64_t per_block = (t.rows + t.blocks - 1) / t.blocks;
-    const int64_t first = int64_t(int(blockIdx.x) - t.first_block) * per_block;
-    const int64_t end = min(t.rows, first + per_block);
-    const int n_stage = first < end ? int((end - first + sr - 1) / sr) : 0;
-    const int64_t wrow = int64_t(blockIdx.z) * t.rows + first;  // the block's first row in the weight
-    const int64_t stage_bytes = int64_t(sr) * (k + k / 16);
-    const uint8_t * scales = t.w.data + t.w.n_blocks * 32;
-
-    auto issue = [&](int s) {
-        const int64_t r = int64_t(s) * sr;
-        const uint32_t rows = uint32_t(min(int64_t(sr), end - first - r));
-        uint8_t * dst = smem + (s % stages) * stage_bytes;
-        uint64_t * bar = &full[s % stages];
-        mbar_expect_bytes(bar, rows * uint32_t(k + k / 16));
-        bulk_load(dst, t.w.data + (wrow + r) * k, rows * uint32_t(k), bar);
-        bulk_load(dst + int64_t(sr) * k, scales + (wrow + r) * (k / 16), rows * uint32_t(k / 16), bar);
-    };
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < stages; ++i) mbar_init(&full[i], 1);
-        mbar_init_fence();
-        for (int s = 0; s < min(stages, n_stage); ++s) issue(s);
-    }
-    pdl_begin();
-    __syncthreads();  // the barriers are initialised before anyone waits on them
-
-    // A stage's sr rows get tpr = kThreads / sr threads each; a thread multiplies chunks sub, sub + tpr, ... of its
-    // row (at most 8, as sr·K is at most 32 KB), the same chunks in every stage, so their activation codes stay in
-    // registers, and its row's sum is one short reduction (a lane group, or whole warps then shared memory).
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = k / 16;
-    const int tpr = kThreads / sr, r = int(threadIdx.x) / tpr, sub = int(threadIdx.x) % tpr;
-    const uint8_t * xrow = a.xq[int(Act::q8a)] + int64_t(blockIdx.z) * act_row_bytes(Act::q8a, k);
-    int4 xq[kStreamChunks];
-    float xd[kStreamChunks];
-#pragma unroll
-    for (int j = 0; j < kStreamChunks; ++j) {
-        const int c = sub + j * tpr;
-        xq[j] = c < chunks ? act_chunk(reinterpret_cast<const int8_t *>(xrow), c) : make_int4(0, 0, 0, 0);
-        xd[j] = c < chunks ? reinterpret_cast<const float *>(xrow + k)[c >> 1] : 0.0f;
-    }
-
-    const int64_t ycol = int64_t(blockIdx.z) * t.rows + first;
-    for (int s = 0; s < n_stage; ++s) {
-        const int rows = int(min(int64_t(sr), end - first - int64_t(s) * sr));
-        mbar_wait(&full[s % stages], uint32_t(s / stages) & 1);
-        const uint8_t * payload = smem + (s % stages) * stage_bytes;
-        const uint16_t * d = reinterpret_cast<const uint16_t *>(payload + int64_t(sr) * k);
-        const int rr = min(r, rows - 1);  // past the stage's rows: computed, not stored
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kStreamChunks; ++j) {
-            const int c = sub + j * tpr;
-            if (c < chunks) {
-                const int4 w = *reinterpret_cast<const int4 *>(payload + int64_t(rr) * k + 16 * c);
-                acc += f16_bits_to_f32(d[rr * (k / 32) + (c >> 1)]) * xd[j] * float(dp4(w, xq[j], 0));
-            }
-        }
-        for (int o = min(tpr, 32) / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(kFull, acc, o);
-        if (tpr <= 32) {
-            if (sub == 0 && r < rows) {
-                const int64_t at = ycol + int64_t(s) * sr + r;
-                t.y[at] = t.add ? t.add[at] + acc : acc;
-            }
-        } else if (lane == 0) {
-            red[s & 1][warp] = acc;
-        }
-        __syncthreads();  // the stage is read: refill it
-        if (threadIdx.x == 0 && s + stages < n_stage) issue(s + stages);
-        // Rows of several warps: their sums in warp order. red[s & 1] is written again two stages on, after a
-        // __syncthreads that these threads reach only once they have read it.
-        if (tpr > 32 && int(threadIdx.x) < rows) {
-            float v = 0.0f;
-            for (int w = 0; w < tpr / 32; ++w) v += red[s & 1][int(threadIdx.x) * (tpr / 32) + w];
-            const int64_t at = ycol + int64_t(s) * sr + threadIdx.x;
-            t.y[at] = t.add ? t.add[at] + v : v;
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------------
 bool is_float(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
@@ -1012,51 +870,8 @@ int64_t row_units(GgmlType type, int64_t k, bool vec) {
     }
 }
 
-// With DSV4_CUDA_STREAM=1, the one-token Q8_0 stream serves a launch of one token whose targets are all Q8_0 rows
-// it can copy in bulk: K a multiple of 256 (a row's scales are then 16-byte multiples) up to 32768 (a row a stage),
-// with room for two stages.
-bool stream_fits(const MatvecArgs & a, int64_t max_tiles, int nt, bool mixed) {
-    static const bool enabled = [] {
-        const char * e = std::getenv("DSV4_CUDA_STREAM");
-        return e && std::strcmp(e, "1") == 0;
-    }();
-    if (!enabled || nt != 1 || max_tiles != 1 || mixed || a.glu || a.tiles || a.pair_experts) return false;
-    if (device_smem_optin() < 2 * size_t(stream_stage_bytes(kStreamStageBytes)) + 1024) return false;
-    for (int i = 0; i < a.n_targets; ++i) {
-        const WeightRef & w = a.t[i].w;
-        if (w.type != GgmlType::Q8_0 || w.ne0 % 256 != 0 || w.ne0 > kStreamStageBytes ||
-            reinterpret_cast<uintptr_t>(w.data) % 16 != 0)
-            return false;
-    }
-    return true;
-}
-
-// One block per multiprocessor: a group's blocks are shared between the targets by their bytes (at least one each).
-void launch_stream(MatvecArgs a, cudaStream_t s) {
-    const int64_t per_group = std::max<int64_t>(1, device_sms() / a.groups);
-    double total = 0;
-    int64_t stage = 0;
-    for (int i = 0; i < a.n_targets; ++i) {
-        total += double(a.t[i].rows) * double(a.t[i].w.ne0);
-        stage = std::max(stage, stream_stage_bytes(a.t[i].w.ne0));
-    }
-    int first = 0;
-    for (int i = 0; i < a.n_targets; ++i) {
-        MatvecTarget & t = a.t[i];
-        const auto share = int64_t(double(per_group) * double(t.rows) * double(t.w.ne0) / total);
-        t.first_block = first;
-        t.blocks = int(std::clamp<int64_t>(share, 1, t.rows));
-        first += t.blocks;
-    }
-    // (1 KB kept for the kernel's static barriers and sums.)
-    a.stages = int(std::min<int64_t>(kStreamMaxStages, (int64_t(device_smem_optin()) - 1024) / stage));
-    launch(q8_0_stream_kernel, dim3(unsigned(first), 1, unsigned(a.groups)), dim3(kThreads), size_t(a.stages * stage),
-           s, a);
-}
-
 // One launch over a.t[0, n_targets) (one weight type, or the Q8_0 + F16 mix).
 void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_t s) {
-    if (stream_fits(a, max_tiles, nt, mixed)) return launch_stream(a, s);
     const int64_t sms = device_sms();
     bool vec = true;
     for (int i = 0; i < a.n_targets; ++i)
