@@ -288,8 +288,8 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::Q4_K, 4096, 2048, 1}, MatCase{GgmlType::Q4_K, 2048, 4096, 12},
                              // one token whose quantized row is too wide to quantize in the block
                              MatCase{GgmlType::Q2_K, 32768, 24, 1}, MatCase{GgmlType::Q8_0, 65536, 8, 1},
-                             // one token: rows split over 4 and 8 warps (16384 and 32768 wide), a width that is
-                             // not a power of two
+                             // one token: rows of 16384 and 32768 values (a block's 8 warps split each pair of
+                             // rows), a width that is not a power of two
                              MatCase{GgmlType::Q8_0, 16384, 40, 1}, MatCase{GgmlType::Q8_0, 32768, 20, 1},
                              MatCase{GgmlType::Q8_0, 1280, 300, 1},
                              // prefill on the tensor cores: every type, partial tiles of rows and tokens, real shapes;
