@@ -558,13 +558,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
     }
 }
 
-// One warp per (token, head). Each split's weight exp(m_s - max) is computed once, by its lane, and kept in
-// shared memory for the warp's pass over the output elements.
-// One block per (token, head): warp 0 weighs the splits (max, denominator with the sink), then every thread sums
-// two channels over the splits. A block per head, not a warp, so a decode step's 64 heads keep 64 SMs busy, and
+// Splits of one head at most (attention_splits clamps to it): the combine gives each lane two of them.
+constexpr int kMaxSplits = 64;
+
+// One block per (token, head): warp 0 weighs the splits (max, denominator with the sink; each split's weight
+// exp(m_s - max) computed once, by its lane, and kept in shared memory), then every thread sums two channels over
+// the splits. A block per head, not a warp, so a decode step's 64 heads keep 64 SMs busy, and
 // the split loop's loads are independent (no branch around them) so they overlap.
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
-    constexpr int kMaxSplits = 64;
     __shared__ float weight[kMaxSplits];
     __shared__ float s_inv;
     const int64_t th = blockIdx.x, h = th % a.heads, d = a.dim;
@@ -842,7 +843,7 @@ int attention_splits(const AttentionArgs & a) {
     const int64_t groups = (a.heads + kAttnWarps - 1) / kAttnWarps;
     const int64_t want = (int64_t(device_sms()) * 2 + a.n * groups - 1) / (a.n * groups);
     const int64_t most = std::max<int64_t>(1, (max_keys(a) + 7) / 8);
-    return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 64)));
+    return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, kMaxSplits)));
 }
 
 int64_t attention_partial_floats(const AttentionArgs & a) {

@@ -1173,8 +1173,9 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n < kHcRowsTokens) {
         with_fn_kind([&](auto kind) {
             constexpr FnKind K = decltype(kind)::value;
-            launch(n_mix == 24 ? hc_rows_kernel<K, 24> : hc_rows_kernel<K, 0>, dim3(unsigned(chunks), unsigned(a.n)),
-                   dim3(kThreadsHc), finish_smem, s, a, n_mix, chunks);
+            constexpr int kBoundaryMix = (2 + 4) * 4;  // V4's sublayer boundary: hc_n_mix(4 streams, not the head)
+            launch(n_mix == kBoundaryMix ? hc_rows_kernel<K, kBoundaryMix> : hc_rows_kernel<K, 0>,
+                   dim3(unsigned(chunks), unsigned(a.n)), dim3(kThreadsHc), finish_smem, s, a, n_mix, chunks);
         });
         return;
     }
