@@ -109,6 +109,25 @@ struct HcPre {
     float eps_hc = 0.0f, eps_norm = 0.0f;
 };
 
+// An FFN sublayer of V4: the router, one shared expert and k routed experts of n tokens x [n, D]:
+//   logits = x·gate_inp; experts, weights = router(logits, bias | tid2eid, tokens, route_scale);
+//   g = x·gate_sh, u = x·up_sh; out = moe(x, experts, weights, gate, up, down, limit) + down_sh·swiglu(g, u, limit_sh).
+// logits, g, u, experts and weights are the caller's buffers, written on the way (experts and weights stay
+// readable for traces).
+struct MoeFfn {
+    Tensor gate_inp;               // router projection [D, E]
+    Tensor bias, tid2eid, tokens;  // as router(): bias F32 [E] (top-k layers) or tid2eid and tokens (hash layers)
+    float route_scale = 1.0f;
+    Tensor gate_sh, up_sh, down_sh;  // shared expert [D, I_sh], [D, I_sh], [I_sh, D]
+    float limit_sh = 0.0f;
+    Tensor gate, up, down;  // routed experts [D, I, E], [D, I, E], [I, D, E]
+    float limit = 0.0f;
+    Tensor logits;   // F32 [n, E]
+    Tensor g, u;     // F32 [n, I_sh]
+    Tensor experts;  // I32 [n, k]
+    Tensor weights;  // F32 [n, k]
+};
+
 class Backend {
   public:
     virtual ~Backend() = default;
@@ -247,6 +266,16 @@ class Backend {
     // x [n, D]; gate/up [D, I, E]; down [I, D, E]; out [n, D].
     virtual void moe(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate,
                      const Tensor & up, const Tensor & down, float limit, const Tensor & out) = 0;
+    // A whole FFN sublayer of x [n, D] (MoeFfn), out [n, D]. This composition is the definition; a device backend
+    // may order the parts itself where they are independent (the CUDA backend's one-token path runs the shared
+    // expert's down projection beside the routed experts' gate/up, in one launch).
+    virtual void moe_ffn(const Tensor & x, const MoeFfn & f, const Tensor & out) {
+        const MatmulTarget proj[] = {{f.gate_inp, f.logits}, {f.gate_sh, f.g}, {f.up_sh, f.u}};
+        matmul_many(x, proj);
+        router(f.logits, f.bias, f.tid2eid, f.tokens, f.route_scale, f.experts, f.weights);
+        moe(x, f.experts, f.weights, f.gate, f.up, f.down, f.limit, out);
+        swiglu_matmul_add(f.down_sh, f.g, f.u, f.limit_sh, out, out);
+    }
 };
 
 struct CpuBackendOptions {

@@ -65,6 +65,14 @@ int64_t now_ns() {
         .count();
 }
 
+// Recency lives in the file's mtime so that eviction order survives a restart. Saves set it too, from the same
+// clock as a load's touch: the time the kernel stamps on a write is coarse (a scheduler tick, up to 10 ms), so a
+// file written just after another was touched could otherwise look older than it.
+void set_mtime_ns(const std::string & path, int64_t t) {
+    const struct timespec times[2] = {{0, UTIME_OMIT}, {time_t(t / 1000000000), long(t % 1000000000)}};
+    ::utimensat(AT_FDCWD, path.c_str(), times, 0);
+}
+
 }  // namespace
 
 const char * kv_save_reason_name(KvSaveReason reason) {
@@ -224,10 +232,8 @@ std::optional<std::string> KvDiskCache::load(const Match & match) {
         return std::nullopt;
     }
     ++stats_.hits;
-    // Recency lives in the file's mtime so that eviction order survives a restart.
     const int64_t now = now_ns();
-    struct timespec times[2] = {{0, UTIME_OMIT}, {time_t(now / 1000000000), long(now % 1000000000)}};
-    ::utimensat(AT_FDCWD, match.path.c_str(), times, 0);
+    set_mtime_ns(match.path, now);
     it->last_used = now;
     return bytes.substr(kHeaderBytes + size_t(h.text_bytes), size_t(h.payload_bytes));
 }
@@ -270,6 +276,7 @@ bool KvDiskCache::save(std::string_view text, int64_t n_tokens, std::string_view
         XXH64_freeState(s);
         out.write(&sum, sizeof sum);
         out.commit();
+        set_mtime_ns(path, now_ns());
     } catch (const Error & e) {
         log_warn("kv cache: cannot save a snapshot: {}", e.what());
         return false;

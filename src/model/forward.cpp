@@ -48,7 +48,6 @@ struct Model::Workspace {
     Tensor weights;    // F32 [n, k]
     Tensor sh_gate;    // F32 [n, I]
     Tensor sh_up;      // F32 [n, I]
-    Tensor routed;     // F32 [n, D]
     Tensor logits;     // F32 [min(n, kHeadRows), V]
     Tensor candidates;   // [2k + 4] 32-bit words: the three views below, k = min(kSampleCandidates, V)
     Tensor cand_ids;     // I32 [k]: sampling candidates (logit_candidates)
@@ -91,7 +90,6 @@ struct Model::Workspace {
         weights = make(GgmlType::F32, n, c.n_expert_used);
         sh_gate = make(GgmlType::F32, n, c.expert_ff);
         sh_up = make(GgmlType::F32, n, c.expert_ff);
-        routed = make(GgmlType::F32, n, D);
         logits = make(GgmlType::F32, std::min(n, kHeadRows), c.n_vocab);
         // The candidates share one buffer so that one read brings them to the host.
         const int64_t k = std::min(kSampleCandidates, c.n_vocab);
@@ -485,18 +483,31 @@ void Model::ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int6
     Backend & b = backend_;
     Tensor xn = first(w.xn, n);
 
-    Tensor router = first(w.router, n), experts = first(w.experts, n), weights = first(w.weights, n);
-    Tensor g = first(w.sh_gate, n), u = first(w.sh_up, n);
-    const MatmulTarget proj[] = {{L.gate_inp, router}, {L.gate_shexp, g}, {L.up_shexp, u}};
-    b.matmul_many(xn, proj);
-    b.router(router, lc.hash_routed ? Tensor{} : L.exp_probs_b, lc.hash_routed ? L.tid2eid : Tensor{},
-             first(w.tokens, n), c.route_scale, experts, weights);
-    trace("router_idx", il, experts);
-    trace("router_w", il, weights);
-    Tensor routed = first(w.routed, n);
-    b.moe(xn, experts, weights, L.gate_exps, L.up_exps, L.down_exps, lc.swiglu_limit, routed);
-
-    b.swiglu_matmul_add(L.down_shexp, g, u, lc.swiglu_limit_shared, routed, first(w.out, n));
+    MoeFfn f;
+    f.gate_inp = L.gate_inp;
+    if (lc.hash_routed) {
+        f.tid2eid = L.tid2eid;
+        f.tokens = first(w.tokens, n);
+    } else {
+        f.bias = L.exp_probs_b;
+    }
+    f.route_scale = c.route_scale;
+    f.gate_sh = L.gate_shexp;
+    f.up_sh = L.up_shexp;
+    f.down_sh = L.down_shexp;
+    f.limit_sh = lc.swiglu_limit_shared;
+    f.gate = L.gate_exps;
+    f.up = L.up_exps;
+    f.down = L.down_exps;
+    f.limit = lc.swiglu_limit;
+    f.logits = first(w.router, n);
+    f.g = first(w.sh_gate, n);
+    f.u = first(w.sh_up, n);
+    f.experts = first(w.experts, n);
+    f.weights = first(w.weights, n);
+    b.moe_ffn(xn, f, first(w.out, n));
+    trace("router_idx", il, f.experts);
+    trace("router_w", il, f.weights);
 }
 
 }  // namespace dsv4

@@ -1025,6 +1025,90 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},
                                            MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64}));
 
+// The FFN sublayer (moe_ffn) at V4 Flash's widths with 16 experts. The CUDA backend's one-token path for the q2 mix
+// (x quantized once for both kinds, the shared expert's down projection inside the routed gate/up launch, the
+// down's input quantized by its blocks, the shared row added by the combine) must equal its own composition of the
+// parts (Backend::moe_ffn, the definition) bit for bit, and the CPU's within the MoE's bound; other mixes and
+// several tokens take the composition. Top-k and hash routing.
+struct MoeFfnCase {
+    GgmlType gate, down;
+    bool hash;
+    int64_t n;
+};
+
+class MoeFfnOp : public ::testing::TestWithParam<MoeFfnCase> {};
+
+TEST_P(MoeFfnOp, MatchesComposition) {
+    const MoeFfnCase m = GetParam();
+    const int64_t D = 4096, I = 2048, I_sh = 2048, E = 16, k = 6, V = 1000;
+    Store s;
+    const Both gate_inp = s.weight(GgmlType::F16, D, E);
+    const Both gate_sh = s.weight(GgmlType::Q8_0, D, I_sh), up_sh = s.weight(GgmlType::Q8_0, D, I_sh);
+    const Both down_sh = s.weight(GgmlType::Q8_0, I_sh, D);
+    const Both gate = s.weight(m.gate, D, I, E), up = s.weight(m.gate, D, I, E), down = s.weight(m.down, I, D, E);
+    const Both bias = s.values(randn(size_t(E), 0.1f), E);
+    std::vector<int32_t> table(size_t(k * V)), tokens(static_cast<size_t>(m.n));
+    for (auto & v : table) v = int32_t(rng()() % uint64_t(E));
+    for (auto & v : tokens) v = int32_t(rng()() % uint64_t(V));
+    const Both tid2eid = s.ids(table, k, V), tok = s.ids(tokens, m.n);
+    const Both x = s.values(randn(size_t(D * m.n)), D, m.n);
+    struct Run {
+        Both logits, g, u, experts, weights, out;
+    };
+    auto run = [&](bool composed) {
+        Run r{s.out(GgmlType::F32, E, m.n), s.out(GgmlType::F32, I_sh, m.n), s.out(GgmlType::F32, I_sh, m.n),
+              s.out(GgmlType::I32, k, m.n), s.out(GgmlType::F32, k, m.n),    s.out(GgmlType::F32, D, m.n)};
+        for (bool on_gpu : {true, false}) {
+            auto side = [&](const Both & b) { return on_gpu ? b.g : b.c; };
+            MoeFfn f;
+            f.gate_inp = side(gate_inp);
+            if (m.hash) {
+                f.tid2eid = side(tid2eid);
+                f.tokens = side(tok);
+            } else {
+                f.bias = side(bias);
+            }
+            f.route_scale = 1.5f;
+            f.gate_sh = side(gate_sh);
+            f.up_sh = side(up_sh);
+            f.down_sh = side(down_sh);
+            f.limit_sh = 10.0f;
+            f.gate = side(gate);
+            f.up = side(up);
+            f.down = side(down);
+            f.limit = 10.0f;
+            f.logits = side(r.logits);
+            f.g = side(r.g);
+            f.u = side(r.u);
+            f.experts = side(r.experts);
+            f.weights = side(r.weights);
+            if (!on_gpu)
+                cpu().moe_ffn(x.c, f, r.out.c);
+            else if (composed)
+                gpu().Backend::moe_ffn(x.g, f, r.out.g);
+            else
+                gpu().moe_ffn(x.g, f, r.out.g);
+        }
+        return r;
+    };
+    const Run fused = run(false), composed = run(true);
+    const std::string what = std::string("moe_ffn ") + std::string(type_name(m.gate)) + "/" +
+                             std::string(type_name(m.down)) + (m.hash ? " hash" : " top-6") +
+                             " n=" + std::to_string(m.n);
+    const std::vector<int32_t> ge = read_gpu_ids(fused.experts.g);
+    for (size_t i = 0; i < ge.size(); ++i) ASSERT_EQ(ge[i], fused.experts.c.i32()[i]) << what << " expert " << i;
+    compare(what + " vs cpu", fused.out, 1e-2);
+    compare(what + " vs its composition", read_gpu(composed.out.g).data(), read_gpu(fused.out.g), 0.0);
+    compare(what + " weights vs its composition", read_gpu(composed.weights.g).data(), read_gpu(fused.weights.g), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeFfnOp,
+                         ::testing::Values(MoeFfnCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, false, 1},
+                                           MoeFfnCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, true, 1},
+                                           MoeFfnCase{GgmlType::Q4_K, GgmlType::Q4_K, false, 1},
+                                           MoeFfnCase{GgmlType::Q8_0, GgmlType::Q8_0, false, 1},
+                                           MoeFfnCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, false, 3}));
+
 }  // namespace
 
 int main(int argc, char ** argv) {

@@ -595,7 +595,8 @@ class CudaBackend final : public Backend {
             cuda::gemm_activations(x.f32(), nullptr, 0, n, dim, reinterpret_cast<uint16_t *>(xq), stream_);
             g.x_f16 = reinterpret_cast<const uint16_t *>(xq);
         } else if (gq) {
-            cuda::matvec_quantize(gate.type, x.f32(), nullptr, 0, dim, n, 1, dim, xq, stream_);
+            const cuda::QuantizeJob job{gate.type, x.f32(), nullptr, 0, dim, n, 1, dim, xq};
+            cuda::matvec_quantize(&job, 1, stream_);
             g.xq[cuda::matvec_act_kind(gate.type)] = xq;
         }
         for (cuda::MatvecArgs * a : {&g, &d}) {
@@ -603,7 +604,8 @@ class CudaBackend final : public Backend {
                 cuda::gemm_activations(h, nullptr, 0, n_pairs, inner, reinterpret_cast<uint16_t *>(hq), stream_);
                 d.x_f16 = reinterpret_cast<const uint16_t *>(hq);
             } else if (a == &d && dq) {
-                cuda::matvec_quantize(down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq, stream_);
+                const cuda::QuantizeJob job{down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq};
+                cuda::matvec_quantize(&job, 1, stream_);
                 d.xq[cuda::matvec_act_kind(down.type)] = hq;
             }
             if (direct) {
@@ -620,8 +622,95 @@ class CudaBackend final : public Backend {
                 cuda::matvec(*a, max_tiles, nt, stream_);
             launched(a == &g ? "moe gate/up" : "moe down");
         }
-        cuda::moe_combine(ybuf, experts.i32(), weights.f32(), n, k, n_expert, dim, out.f32(), stream_);
+        cuda::moe_combine(ybuf, experts.i32(), weights.f32(), n, k, n_expert, dim, nullptr, out.f32(), stream_);
         launched("moe_combine");
+    }
+
+    // One token (decode) of a q2-mix file, in six launches instead of the composition's ten: x quantized once
+    // for both the shared expert's Q8_0 rows and the routed experts' K-quant rows; the router's and the shared
+    // expert's gate/up projections; the router; the routed gate/up beside the shared expert's down projection
+    // (moe_shared: the first is bound by instruction issue, the second by its 8.9 MB, and neither needs the
+    // other; the shared blocks quantize swiglu(g, u) themselves); the routed down, each block quantizing its
+    // pair's hidden row (moe_down); the weighted sum plus the shared row. The values are the composition's bit for
+    // bit: the same quantization, each product split as its own launch would, and routed + shared added once.
+    void moe_ffn(const Tensor & x, const MoeFfn & f, const Tensor & out) override {
+        const int64_t n = x.rows(), dim = x.ne[0], inner = f.gate.ne[1], n_expert = f.gate.ne[2];
+        const int64_t k = f.experts.ne[0], inner_sh = f.down_sh.ne[0];
+        const bool fused =
+            n == 1 && k <= 32 && f.gate.type == f.up.type &&
+            cuda::moe_ffn_one_token_supported(f.gate.type, f.down.type, f.down_sh.type, inner, inner_sh) &&
+            !(tensor_cores_ && cuda_tensor_core_moe(f.gate.type, f.down.type, dim, inner, k, n_expert));
+        if (!fused) return Backend::moe_ffn(x, f, out);
+        const OpScope scope(*this, "moe_ffn " + matmul_name(f.gate, x));
+        cuda::MatvecArgs proj = matvec_args(x);
+        proj.n_targets = 3;
+        proj.t[0] = target(f.gate_inp, f.logits, f.gate_inp.ne[1]);
+        proj.t[1] = target(f.gate_sh, f.g, f.gate_sh.ne[1]);
+        proj.t[2] = target(f.up_sh, f.u, f.up_sh.ne[1]);
+        cuda::MatvecArgs g;
+        g.t[0] = target(f.gate, Tensor{}, inner);
+        g.t[0].w_up = ref(f.up);
+        g.glu = true;
+        g.limit = f.limit;
+        g.x = x.f32();
+        g.x_stride = dim;
+        g.src_div = int(k);
+        g.pair_experts = f.experts.i32();
+        g.n_expert = int(n_expert);
+        cuda::MatvecArgs sh = matvec_args(f.g);
+        sh.x_up = f.u.f32();
+        sh.x_limit = f.limit_sh;
+        cuda::MatvecArgs d;
+        d.t[0] = target(f.down, Tensor{}, dim);
+        d.x_stride = inner;
+        d.pair_experts = f.experts.i32();
+        d.n_expert = int(n_expert);
+
+        // Scratch (one arena for the op): x's codes of each kind, hidden rows [k, I], expert rows [k, D], the
+        // shared expert's row [D].
+        auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
+        GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};  // a weight type of each activation kind x needs
+        for (int i = 0; i < proj.n_targets; ++i)
+            if (cuda::matvec_needs_quantized(proj.t[i].w.type))
+                kinds[cuda::matvec_act_kind(proj.t[i].w.type)] = proj.t[i].w.type;
+        kinds[cuda::matvec_act_kind(f.gate.type)] = f.gate.type;
+        size_t xq_bytes[2];
+        for (int j = 0; j < 2; ++j) xq_bytes[j] = round_up(size_t(cuda::matvec_act_bytes(kinds[j], dim, 1)));
+        const size_t h_bytes = round_up(size_t(k * inner) * sizeof(float));
+        const size_t y_bytes = round_up(size_t(k * dim) * sizeof(float));
+        uint8_t * base = static_cast<uint8_t *>(
+            scratch(xq_bytes[0] + xq_bytes[1] + h_bytes + y_bytes + round_up(size_t(dim) * sizeof(float))));
+        float * h = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1]);
+        float * ybuf = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1] + h_bytes);
+        float * ysh = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1] + h_bytes + y_bytes);
+
+        cuda::QuantizeJob jobs[2];
+        int n_jobs = 0;
+        for (int j = 0; j < 2; ++j) {
+            if (!xq_bytes[j]) continue;
+            uint8_t * dst = base + (j ? xq_bytes[0] : 0);
+            jobs[n_jobs++] = {kinds[j], x.f32(), nullptr, 0, dim, 1, 1, dim, dst};
+            proj.xq[j] = g.xq[j] = dst;
+        }
+        cuda::matvec_quantize(jobs, n_jobs, stream_);
+        cuda::matvec(proj, 1, 1, stream_);
+        launched("moe_ffn projections");
+        cuda::router(f.logits.f32(), f.bias ? f.bias.f32() : nullptr, f.tid2eid ? f.tid2eid.i32() : nullptr,
+                     f.tokens ? f.tokens.i32() : nullptr, 1, f.logits.ne[0], k, f.route_scale, f.experts.i32(),
+                     f.weights.f32(), stream_);
+        g.t[0].y = h;
+        g.t[0].y_stride = inner;
+        sh.t[0] = target(f.down_sh, Tensor{}, dim);
+        sh.t[0].y = ysh;
+        sh.t[0].y_stride = dim;
+        cuda::moe_shared(g, int(k), sh, stream_);
+        launched("moe_ffn gate/up + shared down");
+        d.x = h;
+        d.t[0].y = ybuf;
+        d.t[0].y_stride = dim;
+        cuda::moe_down(d, int(k), stream_);
+        cuda::moe_combine(ybuf, f.experts.i32(), f.weights.f32(), 1, k, n_expert, dim, ysh, out.f32(), stream_);
+        launched("moe_ffn down + combine");
     }
 
     // Called by DeviceBuffer: a freed buffer may be referenced by a captured graph.
@@ -770,12 +859,15 @@ class CudaBackend final : public Backend {
             bytes[j] = (size_t(cuda::matvec_act_bytes(kinds[j], k, a.n * a.groups)) + 255) / 256 * 256;
         if (bytes[0] + bytes[1] > 0) {
             uint8_t * xq = static_cast<uint8_t *>(scratch(bytes[0] + bytes[1]));
+            cuda::QuantizeJob jobs[2];
+            int n_jobs = 0;
             for (int j = 0; j < 2; ++j) {
                 if (!bytes[j]) continue;
                 uint8_t * dst = xq + (j ? bytes[0] : 0);
-                cuda::matvec_quantize(kinds[j], a.x, a.x_up, a.x_limit, a.x_stride, a.n, a.groups, k, dst, stream_);
+                jobs[n_jobs++] = {kinds[j], a.x, a.x_up, a.x_limit, a.x_stride, a.n, a.groups, k, dst};
                 a.xq[j] = dst;
             }
+            cuda::matvec_quantize(jobs, n_jobs, stream_);
         }
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");

@@ -103,11 +103,23 @@ void matvec(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream
 // kind (0: Q8A, 1: Q8_K).
 bool matvec_needs_quantized(GgmlType w);
 int matvec_act_kind(GgmlType w);
-// matvec_quantize writes the n·groups rows (token t, group g: x[t·x_stride + g·k ..], or swiglu of x and x_up
-// there) into dst, matvec_act_bytes(w, k, n·groups) bytes (0 for float weights).
+// Activations to quantize for products of weight type w: the n·groups rows (token t, group g: x[t·x_stride + g·k ..],
+// or swiglu of x and x_up there), written to dst as matvec_act_bytes(w, k, n·groups) bytes.
+struct QuantizeJob {
+    GgmlType w = GgmlType::F32;
+    const float * x = nullptr;
+    const float * x_up = nullptr;
+    float x_limit = 0;
+    int64_t x_stride = 0, n = 0;
+    int groups = 1;
+    int64_t k = 0;
+    uint8_t * dst = nullptr;
+};
+constexpr int kMaxQuantizeJobs = 2;
 int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows);
-void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t n,
-                     int groups, int64_t k, uint8_t * dst, cudaStream_t s);
+// Jobs of float weight types are skipped; kMaxQuantizeJobs jobs share one launch (an FFN's input quantized for
+// the shared expert's Q8_0 rows and the routed experts' K-quant rows at once).
+void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s);
 // The tile size matvec picks for n tokens of a product (expert products use it to build their tiles).
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 
@@ -129,9 +141,19 @@ void gemm(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
               int32_t * tiles, int32_t * n_tiles, cudaStream_t s);
-// out[t] = Σ_j weights[t,j]·ybuf[t·k + j] over the slots with a valid expert id.
+// out[t] = Σ_j weights[t,j]·ybuf[t·k + j] over the slots with a valid expert id (+ add[t] when add is given).
 void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
-                 int64_t n_expert, int64_t width, float * out, cudaStream_t s);
+                 int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s);
+// One token's FFN sublayer parts for moe_ffn (ds4's q2 mix: IQ2_XXS gate/up, Q2_K down, Q8_0 shared expert; the
+// widths' activation rows must fit a block's shared memory). moe_shared: the routed gate/up products (`routed`: one
+// glu target over `pairs` pairs, pair_experts and n_expert set, its input quantized in xq) and the shared expert's
+// down projection (`shared`: one target, no xq: x and x_up are the shared expert's gate and up rows and x_limit its
+// SwiGLU limit, quantized by each block in shared memory) in one launch. moe_down: the routed down products
+// (pair_experts set, no xq), each block quantizing its pair's hidden row x itself.
+bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner,
+                                 int64_t shared_inner);
+void moe_shared(const MatvecArgs & routed, int pairs, const MatvecArgs & shared, cudaStream_t s);
+void moe_down(const MatvecArgs & a, int pairs, cudaStream_t s);
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Element-wise and per-row ops (misc.cu)

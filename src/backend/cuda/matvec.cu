@@ -141,20 +141,30 @@ __device__ void quantize_block_q8k(const ActSource & x, int sb, int k, uint8_t *
     if (lane < 8) reinterpret_cast<float *>(row + k)[8 * sb + lane] = d;
 }
 
-// One warp per block of one (token, group) row.
-template <Act A>
-__global__ void quantize_rows_kernel(const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t rows,
-                                     int groups, int k, uint8_t * dst) {
+// One warp per block of one (token, group) row; the blocks of job 1 follow those of job 0.
+struct QuantizeLaunch {
+    QuantizeJob job[kMaxQuantizeJobs];
+    Act act[kMaxQuantizeJobs];
+    int64_t first[kMaxQuantizeJobs];  // the job's first warp (one warp per quantization block)
+    int n_jobs;
+};
+
+__global__ void quantize_rows_kernel(const QuantizeLaunch q) {
     pdl_begin();
-    const int per_row = A == Act::q8a ? k / 32 : k / 256;
     const int64_t blk = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-    if (blk >= rows * per_row) return;
-    const int64_t r = blk / per_row;
-    const int b = int(blk % per_row);
-    const int64_t off = (r / groups) * x_stride + (r % groups) * k;
-    const ActSource src{x + off, x_up ? x_up + off : nullptr, x_limit};
-    uint8_t * row = dst + r * act_row_bytes(A, k);
-    if constexpr (A == Act::q8a)
+    const int j = q.n_jobs > 1 && blk >= q.first[1] ? 1 : 0;
+    const QuantizeJob & job = q.job[j];
+    const Act act = q.act[j];
+    const int k = int(job.k);
+    const int per_row = act == Act::q8a ? k / 32 : k / 256;
+    const int64_t rows = job.n * job.groups, local = blk - q.first[j];
+    if (local >= rows * per_row) return;
+    const int64_t r = local / per_row;
+    const int b = int(local % per_row);
+    const int64_t off = (r / job.groups) * job.x_stride + (r % job.groups) * k;
+    const ActSource src{job.x + off, job.x_up ? job.x_up + off : nullptr, job.x_limit};
+    uint8_t * row = job.dst + r * act_row_bytes(act, k);
+    if (act == Act::q8a)
         quantize_block_q8a(src, b, k, row);
     else
         quantize_block_q8k(src, b, k, row);
@@ -437,21 +447,22 @@ struct Tile {
     int64_t row_off = 0;
 };
 
+// by: the block's tile (blockIdx.y in a product's own launch).
 template <int NT>
-__device__ __forceinline__ bool load_tile(const MatvecArgs & a, const MatvecTarget & t, Tile<NT> & tile) {
+__device__ __forceinline__ bool load_tile(const MatvecArgs & a, const MatvecTarget & t, Tile<NT> & tile, int by) {
     if (a.pair_experts) {
-        const int e = a.pair_experts[blockIdx.y];
+        const int e = a.pair_experts[by];
         if (e < 0 || e >= a.n_expert) return false;
         tile.n_tok = 1;
         tile.row_off = int64_t(e) * t.rows;
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
-            tile.src[i] = int64_t(blockIdx.y) / a.src_div;
-            tile.dst[i] = blockIdx.y;
+            tile.src[i] = int64_t(by) / a.src_div;
+            tile.dst[i] = by;
         }
     } else if (a.tiles) {
-        if (int(blockIdx.y) >= *a.n_tiles) return false;
-        const int32_t * tl = a.tiles + 3 * blockIdx.y;
+        if (int(by) >= *a.n_tiles) return false;
+        const int32_t * tl = a.tiles + 3 * by;
         tile.n_tok = tl[2];
         tile.row_off = int64_t(tl[0]) * t.rows;
 #pragma unroll
@@ -461,7 +472,7 @@ __device__ __forceinline__ bool load_tile(const MatvecArgs & a, const MatvecTarg
             tile.dst[i] = p;
         }
     } else {
-        const int64_t t0 = int64_t(blockIdx.y) * NT;
+        const int64_t t0 = int64_t(by) * NT;
         tile.n_tok = int(min(int64_t(NT), a.n - t0));
 #pragma unroll
         for (int i = 0; i < NT; ++i) tile.src[i] = tile.dst[i] = t0 + i;
@@ -523,9 +534,10 @@ __device__ __forceinline__ void store_rows(const MatvecArgs & a, const MatvecTar
         }
 }
 
+// xq: the quantized activation rows of U's kind (a.xq's, or a block's own in shared memory).
 template <class U, int NT, bool GLU>
 __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTarget & t, const Tile<NT> & tile, int bx,
-                                           uint8_t * smem) {
+                                           uint8_t * smem, const uint8_t * xq) {
     const int k = int(t.w.ne0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -540,7 +552,6 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);
-    const uint8_t * xq = a.xq[int(U::kAct)];
     if constexpr (NT == 1) {
         const uint8_t * row = xq + (tile.src[0] * a.groups + blockIdx.z) * arb;
         act.q = const_cast<int8_t *>(reinterpret_cast<const int8_t *>(row));
@@ -747,17 +758,66 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
     }
     pdl_begin();
     Tile<NT> tile;
-    if (!load_tile(a, t, tile)) return;
+    if (!load_tile(a, t, tile, int(blockIdx.y))) return;
     auto run = [&](auto unit) {
         using U = decltype(unit);
         if (t.w.type != U::kType) return false;
         if constexpr (U::kFloat)
             float_rows<U, NT, GLU>(a, t, tile, bx);
         else
-            quant_rows<U, NT, GLU>(a, t, tile, bx, smem);
+            quant_rows<U, NT, GLU>(a, t, tile, bx, smem, a.xq[int(U::kAct)]);
         return true;
     };
     (run(Us{}) || ...);
+}
+
+// One token's IQ2_XXS routed gate/up products and the shared expert's Q8_0 down projection in one launch
+// (moe_shared). Blocks of grid row 0 run the shared rows; row y > 0 runs routed pair y - 1 as matvec_kernel would.
+// A shared block quantizes swiglu(gate, up) into shared memory itself (2 KB of codes for V4's 2048-wide rows), so
+// its input needs no launch of its own either. At most 64 registers, as the routed product's own kernel: the two
+// bodies together took 74, which left 3 blocks per multiprocessor instead of 4 and the routed pairs a third round.
+__global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArgs routed, const MatvecArgs shared) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int bx = int(blockIdx.x);
+    if (blockIdx.y == 0) {
+        const MatvecTarget & t = shared.t[0];
+        if (bx >= t.blocks) return;
+        const int64_t rows_per_block = int64_t(kWarps / shared.split) * kRowsPerWarp,
+                      row0 = int64_t(bx) * rows_per_block;
+        if (row0 < t.rows) prefetch_weight_rows(t.w, row0, min(rows_per_block, t.rows - row0));
+        pdl_begin();
+        const int k = int(t.w.ne0);
+        const ActSource src{shared.x, shared.x_up, shared.x_limit};
+        for (int b = int(threadIdx.x >> 5); b < k / 32; b += kWarps) quantize_block_q8a(src, b, k, smem);
+        __syncthreads();
+        Tile<1> tile;
+        tile.n_tok = 1;
+        tile.src[0] = tile.dst[0] = 0;
+        quant_rows<Q8_0Unit, 1, false>(shared, t, tile, bx, smem, smem);
+        return;
+    }
+    const MatvecTarget & t = routed.t[0];
+    if (bx >= t.blocks) return;
+    pdl_begin();
+    Tile<1> tile;
+    if (!load_tile(routed, t, tile, int(blockIdx.y) - 1)) return;
+    quant_rows<Iq2XxsUnit, 1, true>(routed, t, tile, bx, smem, routed.xq[int(Act::q8k)]);
+}
+
+// One token's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
+// 256 for V4's 2048-wide rows, a warp each) into shared memory first: no quantize launch between gate/up and down.
+__global__ void __launch_bounds__(kThreads) moe_down_kernel(const MatvecArgs a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const MatvecTarget & t = a.t[0];
+    pdl_begin();
+    Tile<1> tile;
+    if (!load_tile(a, t, tile, int(blockIdx.y))) return;
+    const int k = int(t.w.ne0);
+    const ActSource src{a.x + tile.src[0] * a.x_stride, nullptr, 0.0f};
+    for (int b = int(threadIdx.x >> 5); b < k / 256; b += kWarps) quantize_block_q8k(src, b, k, smem);
+    tile.src[0] = 0;  // the block's activation row is now the first (only) one at smem
+    __syncthreads();
+    quant_rows<Q2_KUnit, 1, false>(a, t, tile, int(blockIdx.x), smem, smem);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -779,26 +839,36 @@ int64_t row_blocks(int64_t rows, int split) {
     return (rows + per_block - 1) / per_block;
 }
 
-// A decode step's experts (a block per row group and (token, expert) pair, one target) run in one wave: each block
-// loops over the fewest row groups that let every block be resident at once. (Row blocks capped at 8 per
-// multiprocessor left the IQ2_XXS gate/up at 1.45 waves and the Q2_K down at 2.7; one wave of two and four row groups
-// a block took the 8-layer file from 491 to 501-506 tok/s.)
+// Blocks per multiprocessor of a kernel (registers and shared memory), asked once per kernel and process (its GPUs
+// are of one kind; a kernel's shared memory is fixed by the model's widths).
+template <auto Kernel>
+int blocks_per_sm(size_t smem) {
+    static const int per_sm = [&] {
+        int b = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, kThreads, smem);
+        return std::max(b, 1);
+    }();
+    return per_sm;
+}
+
+// A decode step's experts (a block per row group and (token, expert) pair, one target) run in one wave: t.blocks
+// (grid x) is set so that each block loops over the fewest row groups that let all of them, and `reserved` other
+// blocks of the launch, be resident at once. (Row blocks capped at 8 per multiprocessor left the IQ2_XXS gate/up at
+// 1.45 waves and the Q2_K down at 2.7; one wave of two and four row groups a block took the 8-layer file from 491
+// to 501-506 tok/s.)
+void size_pairs(MatvecTarget & t, int split, int64_t pairs, int per_sm, int64_t reserved) {
+    const int64_t resident = std::max<int64_t>(int64_t(per_sm) * device_sms() - reserved, pairs);
+    const int64_t groups = row_blocks(t.rows, split);
+    int64_t rounds = 1;
+    while (rounds < groups && (groups + rounds - 1) / rounds * pairs > resident) ++rounds;
+    t.blocks = int((groups + rounds - 1) / rounds);
+}
+
 template <int NT, bool GLU, class... Us>
 void launch_kernel(MatvecArgs a, dim3 grid, size_t smem, cudaStream_t s) {
     const auto kernel = matvec_kernel<NT, GLU, Us...>;
     if (a.pair_experts) {
-        // Blocks per multiprocessor: registers and shared memory of this kernel (the tables only at NT = 1), asked
-        // once per process (its GPUs are of one kind).
-        static const int per_sm = [&] {
-            int b = 0;
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kThreads, smem);
-            return std::max(b, 1);
-        }();
-        const int64_t resident = int64_t(per_sm) * device_sms(), pairs = grid.y;
-        const int64_t groups = row_blocks(a.t[0].rows, a.split);
-        int64_t rounds = 1;
-        while (rounds < groups && (groups + rounds - 1) / rounds * pairs > resident) ++rounds;
-        a.t[0].blocks = int((groups + rounds - 1) / rounds);
+        size_pairs(a.t[0], a.split, grid.y, blocks_per_sm<matvec_kernel<NT, GLU, Us...>>(smem), 0);
         grid.x = unsigned(a.t[0].blocks);
     }
     launch(kernel, grid, dim3(kThreads), smem, s, a);
@@ -870,30 +940,35 @@ int64_t row_units(GgmlType type, int64_t k, bool vec) {
     }
 }
 
+// Warps that share a row group, each over a slice of K (split), where a one-token launch would otherwise wait for
+// its longest rows: until a lane has at most two batches of unrolled steps (8 quantized units, 4 float ones).
+// A decode launch is one wave, so its time is its slowest warp's chain of loads, and a float row of 4096 (the
+// router, the compressors) has four times a Q8_0 row's steps. One split serves the whole launch (a split per
+// target cost the kernels registers: the IQ2_XXS gate/up went from 64 to 100 and lost half its blocks per
+// multiprocessor). Then, for few rows (small projections at decode), the split grows until the launch has
+// about two blocks per multiprocessor.
+int launch_split(const MatvecArgs & a, bool vec, int64_t max_tiles, int nt) {
+    auto total_blocks = [&](int split) {
+        int64_t b = 0;
+        for (int i = 0; i < a.n_targets; ++i) b += row_blocks(a.t[i].rows, split);
+        return b;
+    };
+    int split = 1;
+    for (int i = 0; i < a.n_targets && nt == 1; ++i) {
+        const int64_t units = row_units(a.t[i].w.type, a.t[i].w.ne0, vec), most = is_float(a.t[i].w.type) ? 4 : 8;
+        while (split < kWarps && units > most * 32 * split) split *= 2;
+    }
+    while (split < kWarps && total_blocks(split) * max_tiles * a.groups < 2 * device_sms()) split *= 2;
+    return split;
+}
+
 // One launch over a.t[0, n_targets) (one weight type, or the Q8_0 + F16 mix).
 void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_t s) {
     const int64_t sms = device_sms();
     bool vec = true;
     for (int i = 0; i < a.n_targets; ++i)
         if (is_float(a.t[i].w.type)) vec = vec && float_vec_ok(a, a.t[i]);
-    // Warps share a row group, each over a slice of K (split), where a one-token launch would otherwise wait for
-    // its longest rows: until a lane has at most two batches of unrolled steps (8 quantized units, 4 float ones).
-    // A decode launch is one wave, so its time is its slowest warp's chain of loads, and a float row of 4096 (the
-    // router, the compressors) has four times a Q8_0 row's steps. One split serves the whole launch (a split per
-    // target cost the kernels registers: the IQ2_XXS gate/up went from 64 to 100 and lost half its blocks per
-    // multiprocessor). Then, for few rows (small projections at decode), the split grows until the launch has
-    // about two blocks per multiprocessor.
-    auto total_blocks = [&](int split) {
-        int64_t b = 0;
-        for (int i = 0; i < a.n_targets; ++i) b += row_blocks(a.t[i].rows, split);
-        return b;
-    };
-    a.split = 1;
-    for (int i = 0; i < a.n_targets && nt == 1; ++i) {
-        const int64_t units = row_units(a.t[i].w.type, a.t[i].w.ne0, vec), most = is_float(a.t[i].w.type) ? 4 : 8;
-        while (a.split < kWarps && units > most * 32 * a.split) a.split *= 2;
-    }
-    while (a.split < kWarps && total_blocks(a.split) * max_tiles * a.groups < 2 * sms) a.split *= 2;
+    a.split = launch_split(a, vec, max_tiles, nt);
     // Enough blocks to fill the GPU a few times over; each block loops over its rows, so a tile of several tokens
     // is copied to shared memory once for many rows.
     const int64_t per_tile = std::max<int64_t>(1, sms * 8 / (max_tiles * a.groups));
@@ -918,6 +993,27 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
         default:
             return launch_nt<8>(a, type, vec, mixed, grid, smem, s);
     }
+}
+
+// moe_shared_kernel's launch: every block resident at once, as launch_kernel sizes a decode step's experts.
+void launch_moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s) {
+    const size_t smem = size_t(act_row_bytes(Act::q8a, shared.t[0].w.ne0));
+    // Each part splits its rows as its own launch would (so its sums are the same); the shared rows take one block
+    // per multiprocessor (each loops over its row groups; 66 ran as fast, 33 made them the launch's tail), the
+    // routed pairs the fewest rounds of row groups that fit beside them.
+    routed.split = launch_split(routed, true, pairs, 1);
+    shared.split = launch_split(shared, true, 1, 1);
+    shared.t[0].blocks = int(std::min<int64_t>(row_blocks(shared.t[0].rows, shared.split), device_sms()));
+    size_pairs(routed.t[0], routed.split, pairs, blocks_per_sm<moe_shared_kernel>(smem), shared.t[0].blocks);
+    const dim3 grid(unsigned(std::max(routed.t[0].blocks, shared.t[0].blocks)), unsigned(pairs + 1));
+    launch(moe_shared_kernel, grid, dim3(kThreads), smem, s, routed, shared);
+}
+
+void launch_moe_down(MatvecArgs a, int pairs, cudaStream_t s) {
+    const size_t smem = size_t(act_row_bytes(Act::q8k, a.t[0].w.ne0));
+    a.split = launch_split(a, true, pairs, 1);
+    size_pairs(a.t[0], a.split, pairs, blocks_per_sm<moe_down_kernel>(smem), 0);
+    launch(moe_down_kernel, dim3(unsigned(a.t[0].blocks), unsigned(pairs)), dim3(kThreads), smem, s, a);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -986,7 +1082,7 @@ __global__ void moe_plan_kernel(const int32_t * experts, int n_pairs, int n_expe
 }
 
 __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int k,
-                                   int n_expert, int64_t width, float * out) {
+                                   int n_expert, int64_t width, const float * add, float * out) {
     pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * width) return;
@@ -1009,7 +1105,7 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, 
         for (int j = 0; j < kBatch; ++j)
             if (used[j]) s += w[j] * y[j];
     }
-    out[i] = s;
+    out[i] = add ? s + add[i] : s;
 }
 
 }  // namespace
@@ -1022,18 +1118,24 @@ int64_t matvec_act_bytes(GgmlType w, int64_t k, int64_t rows) {
     return is_float(w) ? 0 : rows * act_row_bytes(act_of(w), k);
 }
 
-void matvec_quantize(GgmlType w, const float * x, const float * x_up, float x_limit, int64_t x_stride, int64_t n,
-                     int groups, int64_t k, uint8_t * dst, cudaStream_t s) {
-    if (is_float(w) || n <= 0) return;
-    const Act act = act_of(w);
-    const int64_t blocks = n * groups * (act == Act::q8a ? k / 32 : k / 256);
-    const dim3 grid(unsigned((blocks + kWarps - 1) / kWarps));
-    if (act == Act::q8a)
-        launch(quantize_rows_kernel<Act::q8a>, grid, dim3(kThreads), 0, s, x, x_up, x_limit, x_stride, n * groups,
-               groups, int(k), dst);
-    else
-        launch(quantize_rows_kernel<Act::q8k>, grid, dim3(kThreads), 0, s, x, x_up, x_limit, x_stride, n * groups,
-               groups, int(k), dst);
+void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s) {
+    QuantizeLaunch q{};
+    int64_t warps = 0;
+    for (int i = 0; i < n_jobs; ++i) {
+        const QuantizeJob & j = jobs[i];
+        if (is_float(j.w) || j.n <= 0) continue;
+        if (q.n_jobs == kMaxQuantizeJobs) {  // a full launch: the rest in the next one
+            matvec_quantize(jobs + i, n_jobs - i, s);
+            break;
+        }
+        q.job[q.n_jobs] = j;
+        q.act[q.n_jobs] = act_of(j.w);
+        q.first[q.n_jobs] = warps;
+        warps += j.n * j.groups * (act_of(j.w) == Act::q8a ? j.k / 32 : j.k / 256);
+        ++q.n_jobs;
+    }
+    if (q.n_jobs == 0) return;
+    launch(quantize_rows_kernel, dim3(unsigned((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, q);
 }
 
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
@@ -1060,6 +1162,19 @@ void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) 
     for_each_weight_type(args, [&](const MatvecArgs & sub) { launch_set(sub, max_tiles, nt, false, s); });
 }
 
+bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner,
+                                 int64_t shared_inner) {
+    return gate == GgmlType::IQ2_XXS && down == GgmlType::Q2_K && shared_down == GgmlType::Q8_0 && inner % 256 == 0 &&
+           shared_inner % 32 == 0 && act_row_bytes(Act::q8k, inner) <= 48 * 1024 &&
+           act_row_bytes(Act::q8a, shared_inner) <= 48 * 1024;
+}
+
+void moe_shared(const MatvecArgs & routed, int pairs, const MatvecArgs & shared, cudaStream_t s) {
+    launch_moe_shared(routed, pairs, shared, s);
+}
+
+void moe_down(const MatvecArgs & a, int pairs, cudaStream_t s) { launch_moe_down(a, pairs, s); }
+
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
               int32_t * tiles, int32_t * n_tiles, cudaStream_t s) {
     const size_t smem = size_t(4 * n_expert) * sizeof(int);
@@ -1068,10 +1183,10 @@ void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int ti
 }
 
 void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
-                 int64_t n_expert, int64_t width, float * out, cudaStream_t s) {
+                 int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s) {
     const int64_t total = n * width;
     launch(moe_combine_kernel, dim3(unsigned((total + 255) / 256)), dim3(256), 0, s, ybuf, experts, weights, n, int(k),
-           int(n_expert), width, out);
+           int(n_expert), width, add, out);
 }
 
 }  // namespace dsv4::cuda
