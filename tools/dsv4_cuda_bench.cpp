@@ -232,6 +232,26 @@ int run_kernels(const CudaBackendOptions & options) {
                 E, n, us, bytes / us / 1e3, used.size(), 6.0 * double(n * k * D * I) / us / 1e6,
                 cuda_tensor_core_moe(GgmlType::IQ2_XXS, GgmlType::Q2_K, D, I, n * k, E) ? "tensor cores" : "integer");
         }
+        // One token's whole FFN sublayer (router, shared expert, routed experts), one call against its composition.
+        MoeFfn f;
+        f.gate_inp = B.weight(GgmlType::F16, D, E);
+        f.bias = B.act(E, 1);
+        f.gate_sh = B.weight(GgmlType::Q8_0, D, I);
+        f.up_sh = B.weight(GgmlType::Q8_0, D, I);
+        f.down_sh = B.weight(GgmlType::Q8_0, I, D);
+        f.gate = gate;
+        f.up = up;
+        f.down = down;
+        f.limit = f.limit_sh = 10.0f;
+        f.logits = B.act(E, 1);
+        f.g = B.act(I, 1);
+        f.u = B.act(I, 1);
+        f.experts = B.act(k, 1, 1, 1, GgmlType::I32);
+        f.weights = B.act(k, 1);
+        const Tensor x = B.act(D, 1), out = B.act(D, 1);
+        const double one = B.time([&] { B.b.moe_ffn(x, f, out); });
+        const double parts = B.time([&] { B.b.Backend::moe_ffn(x, f, out); });
+        std::printf("moe_ffn iq2_xxs/q2_K + shared q8_0 n=1 %9.1f us (its composition: %.1f us)\n", one, parts);
     }
     return 0;
 }
