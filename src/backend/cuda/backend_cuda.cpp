@@ -561,7 +561,6 @@ class CudaBackend final : public Backend {
         // for tiles of several tokens on the integer path, f16 on the tensor cores.
         const bool gq = !tensor_cores && cuda::matvec_needs_quantized(gate.type);
         const bool dq = !tensor_cores && cuda::matvec_needs_quantized(down.type);
-        auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
         const size_t ints = size_t(n_pairs + 3 * max_tiles + 1);
         const size_t ints_bytes = round_up(ints * sizeof(int32_t));
         const size_t h_bytes = round_up(size_t(n_pairs * inner) * sizeof(float));
@@ -666,33 +665,20 @@ class CudaBackend final : public Backend {
         d.pair_experts = f.experts.i32();
         d.n_expert = int(n_expert);
 
-        // Scratch (one arena for the op): x's codes of each kind, hidden rows [k, I], expert rows [k, D], the
-        // shared expert's row [D].
-        auto round_up = [](size_t b) { return (b + 255) / 256 * 256; };
-        GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};  // a weight type of each activation kind x needs
-        for (int i = 0; i < proj.n_targets; ++i)
-            if (cuda::matvec_needs_quantized(proj.t[i].w.type))
-                kinds[cuda::matvec_act_kind(proj.t[i].w.type)] = proj.t[i].w.type;
-        kinds[cuda::matvec_act_kind(f.gate.type)] = f.gate.type;
-        size_t xq_bytes[2];
-        for (int j = 0; j < 2; ++j) xq_bytes[j] = round_up(size_t(cuda::matvec_act_bytes(kinds[j], dim, 1)));
+        // Scratch (one arena for the op): x's codes of each kind (the projections' and the routed gate/up's),
+        // hidden rows [k, I], expert rows [k, D], the shared expert's row [D].
+        const ActPlan plan = act_plan(proj, dim, f.gate.type);
         const size_t h_bytes = round_up(size_t(k * inner) * sizeof(float));
         const size_t y_bytes = round_up(size_t(k * dim) * sizeof(float));
-        uint8_t * base = static_cast<uint8_t *>(
-            scratch(xq_bytes[0] + xq_bytes[1] + h_bytes + y_bytes + round_up(size_t(dim) * sizeof(float))));
-        float * h = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1]);
-        float * ybuf = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1] + h_bytes);
-        float * ysh = reinterpret_cast<float *>(base + xq_bytes[0] + xq_bytes[1] + h_bytes + y_bytes);
+        uint8_t * base =
+            static_cast<uint8_t *>(scratch(plan.total() + h_bytes + y_bytes + round_up(size_t(dim) * sizeof(float))));
+        float * h = reinterpret_cast<float *>(base + plan.total());
+        float * ybuf = reinterpret_cast<float *>(base + plan.total() + h_bytes);
+        float * ysh = reinterpret_cast<float *>(base + plan.total() + h_bytes + y_bytes);
 
-        cuda::QuantizeJob jobs[2];
-        int n_jobs = 0;
-        for (int j = 0; j < 2; ++j) {
-            if (!xq_bytes[j]) continue;
-            uint8_t * dst = base + (j ? xq_bytes[0] : 0);
-            jobs[n_jobs++] = {kinds[j], x.f32(), nullptr, 0, dim, 1, 1, dim, dst};
-            proj.xq[j] = g.xq[j] = dst;
-        }
-        cuda::matvec_quantize(jobs, n_jobs, stream_);
+        quantize_acts(proj, plan, dim, base);
+        g.xq[0] = proj.xq[0];
+        g.xq[1] = proj.xq[1];
         cuda::matvec(proj, 1, 1, stream_);
         launched("moe_ffn projections");
         cuda::router(f.logits.f32(), f.bias ? f.bias.f32() : nullptr, f.tid2eid ? f.tid2eid.i32() : nullptr,
@@ -832,6 +818,40 @@ class CudaBackend final : public Backend {
         return t;
     }
 
+    // Buffers carved from one scratch() call start at 256-byte multiples.
+    static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+    // The quantized activation rows a's input needs: a weight type of each kind (Q8A, Q8_K) its targets' weights
+    // read, plus `also`'s (F32: none), and their bytes (256-byte multiples, 0 for a kind not needed).
+    struct ActPlan {
+        GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};
+        size_t bytes[2] = {0, 0};
+        size_t total() const { return bytes[0] + bytes[1]; }
+    };
+    static ActPlan act_plan(const cuda::MatvecArgs & a, int64_t k, GgmlType also = GgmlType::F32) {
+        ActPlan p;
+        for (int i = 0; i <= a.n_targets; ++i) {
+            const GgmlType t = i < a.n_targets ? a.t[i].w.type : also;
+            if (cuda::matvec_needs_quantized(t)) p.kinds[cuda::matvec_act_kind(t)] = t;
+        }
+        for (int j = 0; j < 2; ++j)
+            p.bytes[j] = round_up(size_t(cuda::matvec_act_bytes(p.kinds[j], k, a.n * a.groups)));
+        return p;
+    }
+
+    // Quantizes a's input for every kind of the plan into base (plan.total() bytes) in one launch; sets a.xq.
+    void quantize_acts(cuda::MatvecArgs & a, const ActPlan & plan, int64_t k, uint8_t * base) {
+        cuda::QuantizeJob jobs[2];
+        int n_jobs = 0;
+        for (int j = 0; j < 2; ++j) {
+            if (!plan.bytes[j]) continue;
+            uint8_t * dst = base + (j ? plan.bytes[0] : 0);
+            jobs[n_jobs++] = {plan.kinds[j], a.x, a.x_up, a.x_limit, a.x_stride, a.n, a.groups, k, dst};
+            a.xq[j] = dst;
+        }
+        cuda::matvec_quantize(jobs, n_jobs, stream_);
+    }
+
     // Quantizes the activations once per kind the targets need (quantized weights), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
         if (a.n <= 0) return;
@@ -850,25 +870,8 @@ class CudaBackend final : public Backend {
         const int64_t k = a.t[0].w.ne0;
         int nt = cuda::kMaxTileTokens;
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
-        GgmlType kinds[2] = {GgmlType::F32, GgmlType::F32};  // a weight type of each activation kind needed
-        for (int i = 0; i < a.n_targets; ++i)
-            if (cuda::matvec_needs_quantized(a.t[i].w.type))
-                kinds[cuda::matvec_act_kind(a.t[i].w.type)] = a.t[i].w.type;
-        size_t bytes[2] = {0, 0};
-        for (int j = 0; j < 2; ++j)
-            bytes[j] = (size_t(cuda::matvec_act_bytes(kinds[j], k, a.n * a.groups)) + 255) / 256 * 256;
-        if (bytes[0] + bytes[1] > 0) {
-            uint8_t * xq = static_cast<uint8_t *>(scratch(bytes[0] + bytes[1]));
-            cuda::QuantizeJob jobs[2];
-            int n_jobs = 0;
-            for (int j = 0; j < 2; ++j) {
-                if (!bytes[j]) continue;
-                uint8_t * dst = xq + (j ? bytes[0] : 0);
-                jobs[n_jobs++] = {kinds[j], a.x, a.x_up, a.x_limit, a.x_stride, a.n, a.groups, k, dst};
-                a.xq[j] = dst;
-            }
-            cuda::matvec_quantize(jobs, n_jobs, stream_);
-        }
+        const ActPlan plan = act_plan(a, k);
+        if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
     }

@@ -152,8 +152,8 @@ void moe_combine(const float * ybuf, const int32_t * experts, const float * weig
 // (pair_experts set, no xq), each block quantizing its pair's hidden row x itself.
 bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner,
                                  int64_t shared_inner);
-void moe_shared(const MatvecArgs & routed, int pairs, const MatvecArgs & shared, cudaStream_t s);
-void moe_down(const MatvecArgs & a, int pairs, cudaStream_t s);
+void moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s);
+void moe_down(MatvecArgs a, int pairs, cudaStream_t s);
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Element-wise and per-row ops (misc.cu)

@@ -995,27 +995,6 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
     }
 }
 
-// moe_shared_kernel's launch: every block resident at once, as launch_kernel sizes a decode step's experts.
-void launch_moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s) {
-    const size_t smem = size_t(act_row_bytes(Act::q8a, shared.t[0].w.ne0));
-    // Each part splits its rows as its own launch would (so its sums are the same); the shared rows take one block
-    // per multiprocessor (each loops over its row groups; 66 ran as fast, 33 made them the launch's tail), the
-    // routed pairs the fewest rounds of row groups that fit beside them.
-    routed.split = launch_split(routed, true, pairs, 1);
-    shared.split = launch_split(shared, true, 1, 1);
-    shared.t[0].blocks = int(std::min<int64_t>(row_blocks(shared.t[0].rows, shared.split), device_sms()));
-    size_pairs(routed.t[0], routed.split, pairs, blocks_per_sm<moe_shared_kernel>(smem), shared.t[0].blocks);
-    const dim3 grid(unsigned(std::max(routed.t[0].blocks, shared.t[0].blocks)), unsigned(pairs + 1));
-    launch(moe_shared_kernel, grid, dim3(kThreads), smem, s, routed, shared);
-}
-
-void launch_moe_down(MatvecArgs a, int pairs, cudaStream_t s) {
-    const size_t smem = size_t(act_row_bytes(Act::q8k, a.t[0].w.ne0));
-    a.split = launch_split(a, true, pairs, 1);
-    size_pairs(a.t[0], a.split, pairs, blocks_per_sm<moe_down_kernel>(smem), 0);
-    launch(moe_down_kernel, dim3(unsigned(a.t[0].blocks), unsigned(pairs)), dim3(kThreads), smem, s, a);
-}
-
 // ---------------------------------------------------------------------------------------------------------------------
 // MoE plumbing
 // ---------------------------------------------------------------------------------------------------------------------
@@ -1169,11 +1148,26 @@ bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_d
            act_row_bytes(Act::q8a, shared_inner) <= 48 * 1024;
 }
 
-void moe_shared(const MatvecArgs & routed, int pairs, const MatvecArgs & shared, cudaStream_t s) {
-    launch_moe_shared(routed, pairs, shared, s);
+// Every block resident at once, as launch_kernel sizes a decode step's experts.
+void moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s) {
+    const size_t smem = size_t(act_row_bytes(Act::q8a, shared.t[0].w.ne0));
+    // Each part splits its rows as its own launch would (so its sums are the same); the shared rows take one block
+    // per multiprocessor (each loops over its row groups; 66 ran as fast, 33 made them the launch's tail), the
+    // routed pairs the fewest rounds of row groups that fit beside them.
+    routed.split = launch_split(routed, true, pairs, 1);
+    shared.split = launch_split(shared, true, 1, 1);
+    shared.t[0].blocks = int(std::min<int64_t>(row_blocks(shared.t[0].rows, shared.split), device_sms()));
+    size_pairs(routed.t[0], routed.split, pairs, blocks_per_sm<moe_shared_kernel>(smem), shared.t[0].blocks);
+    const dim3 grid(unsigned(std::max(routed.t[0].blocks, shared.t[0].blocks)), unsigned(pairs + 1));
+    launch(moe_shared_kernel, grid, dim3(kThreads), smem, s, routed, shared);
 }
 
-void moe_down(const MatvecArgs & a, int pairs, cudaStream_t s) { launch_moe_down(a, pairs, s); }
+void moe_down(MatvecArgs a, int pairs, cudaStream_t s) {
+    const size_t smem = size_t(act_row_bytes(Act::q8k, a.t[0].w.ne0));
+    a.split = launch_split(a, true, pairs, 1);
+    size_pairs(a.t[0], a.split, pairs, blocks_per_sm<moe_down_kernel>(smem), 0);
+    launch(moe_down_kernel, dim3(unsigned(a.t[0].blocks), unsigned(pairs)), dim3(kThreads), smem, s, a);
+}
 
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
               int32_t * tiles, int32_t * n_tiles, cudaStream_t s) {
