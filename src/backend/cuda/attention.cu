@@ -181,7 +181,10 @@ __global__ void indexer_scores_kernel(const IndexerArgs a) {
 // lanes (four each, one load) and every head's partial dot product in registers, then a transposing butterfly
 // leaves each lane two whole heads (62 shuffles instead of 64 reductions of 5). The general kernel above walks the
 // dimensions in each lane instead: 64 dependent steps per key, which left a decode step at a few thousand rows
-// latency-bound on a handful of multiprocessors (34 µs of a 260 µs layer).
+// latency-bound on a handful of multiprocessors (34 µs of a 260 µs layer). A key per warp and block-strided key
+// groups over at most two blocks a multiprocessor: a warp's key reads the 32 KB of queries from shared memory, so
+// 4 keys a warp in a row (as before) kept a decode step's ~530 rows on 17 multiprocessors, bound by their shared
+// memory (9.3 µs a CSA layer at 2K against 4.4 now); a long context's rows still take several rounds a warp.
 constexpr int kIdxFastHeads = 64, kIdxFastDim = 128;
 
 // One butterfly step over the first N values: lanes with bit o set keep the upper half, the others the lower, each
@@ -203,8 +206,7 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     __shared__ float w[kIdxFastHeads];
     const int64_t t = blockIdx.y;
     const int64_t visible = indexer_visible(a, t);
-    const int64_t key0 = int64_t(blockIdx.x) * kIdxKeysPerBlock;
-    if (visible <= a.top_k || key0 >= visible) return;
+    if (visible <= a.top_k || int64_t(blockIdx.x) * 8 >= visible) return;
     for (int i = threadIdx.x; i < kIdxFastHeads * kIdxFastDim / 4; i += blockDim.x)
         reinterpret_cast<float4 *>(q)[i] = reinterpret_cast<const float4 *>(a.q + t * kIdxFastHeads * kIdxFastDim)[i];
     if (threadIdx.x < kIdxFastHeads) w[threadIdx.x] = a.w[t * kIdxFastHeads + threadIdx.x];
@@ -213,9 +215,7 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     // The heads lane ends up holding: bit b of the lane picks the upper half at butterfly step b (16, 8, .., 1).
     const int h0 = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 + ((lane >> 1) & 1) * 4 +
                    (lane & 1) * 2;
-    for (int j = 0; j < kIdxKeysPerBlock / 8; ++j) {
-        const int64_t key = key0 + warp + 8 * j;
-        if (key >= visible) break;
+    for (int64_t key = int64_t(blockIdx.x) * 8 + warp; key < visible; key += int64_t(gridDim.x) * 8) {
         const float4 kv = __ldg(reinterpret_cast<const float4 *>(a.keys + key * kIdxFastDim) + lane);
         float v[kIdxFastHeads];
 #pragma unroll
@@ -461,72 +461,117 @@ __device__ __forceinline__ const float * key_row(const AttentionArgs & a, const 
     return idx >= 0 && idx < a.comp_capacity ? a.comp + int64_t(idx) * a.dim : nullptr;
 }
 
-// One warp per head; the block's 8 heads share the key rows through L1. Keys of the token are split over
-// gridDim.y blocks; with one split the output is final, else a partial (max, denominator, numerator) per split.
+// Keys a block stages in shared memory at once: 32 KB of f32 rows a buffer (16 keys of V4's 512-wide heads: a
+// decode split's keys in one or two chunks), two buffers (the next chunk's copies run while the warps work on this
+// one), 8..64 keys and a multiple of the widest step (8 keys). ld: a staged row's floats, 32 · DPL.
+__host__ __device__ inline int attention_chunk_keys(int ld) { return std::min(64, std::max(8, 8192 / ld / 8 * 8)); }
+
+// One warp per head, 8 heads per block; keys of the token are split over gridDim.y blocks; with one split the
+// output is final, else a partial (max, denominator, numerator) per split. The block copies its keys into shared
+// memory a chunk at a time (cp.async, each warp its own rows, the next chunk in flight while the warps use this
+// one), so a chunk costs one memory round trip; the warps' steps of kKeys keys then wait only for shared memory
+// and their shuffles. Rows are padded with zeros to 32 · DPL floats and missing keys are rows of zeros, so a lane's
+// loads are plain loads at constant offsets: with a bounds check and a 64-bit index per element a CSA layer's
+// split (20 keys) executed ~180 instructions a key, without them ~130 (Nsight Compute), and took 13 µs against 10.
 template <int DPL>
 __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const AttentionArgs a, int64_t per_split) {
+    constexpr int ld = 32 * DPL;
+    extern __shared__ __align__(16) float attn_keys[];  // [2][chunk][ld] the staged key rows (f32)
+    __shared__ bool attn_valid[2][64];                  // whether row r of a buffer is a key (else zeros)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t h = int64_t(blockIdx.x) * kAttnWarps + warp, t = blockIdx.z, split = blockIdx.y;
-    const float sink = gridDim.y == 1 && h < a.heads ? a.sinks[h] : 0.0f;  // a weight: read before the wait
+    const bool active = h < a.heads;  // a partial head group's idle warps still copy their rows
+    const float sink = gridDim.y == 1 && active ? a.sinks[h] : 0.0f;  // a weight: read before the wait
+    const int d = int(a.dim), chunk = attention_chunk_keys(ld);
+    for (int i = threadIdx.x; i < 2 * chunk * (ld - d); i += blockDim.x)
+        attn_keys[(i / (ld - d)) * ld + d + i % (ld - d)] = 0.0f;  // the pads, never copied into
     pdl_begin();
-    if (h >= a.heads) return;
-    const int64_t d = a.dim;
     const KeyList kl = key_list(a, a.positions[t]);
     const int64_t nk = kl.nw + kl.nc;
     const int64_t j0 = split * per_split, j1 = min(nk, j0 + per_split);
-    const float * qh = a.q + (t * a.heads + h) * d;
+    // Chunk c0.. into buffer b: warp w copies rows w, w + 8, ...; every lane finds the row itself (the selected
+    // index is one load for the warp).
+    auto stage = [&](int64_t c0, int b) {
+        float * dst = attn_keys + b * chunk * ld;
+        for (int r = warp; r < chunk; r += kAttnWarps) {
+            const float * src = c0 + r < j1 ? key_row(a, kl, t, c0 + r) : nullptr;
+            if (lane == 0) attn_valid[b][r] = src != nullptr;
+            float * row = dst + r * ld;
+            if (d % 4 == 0)
+                for (int e = 4 * lane; e < d; e += 128) cp_async16(row + e, src ? src + e : nullptr);  // null: zeros
+            else
+                for (int e = lane; e < d; e += 32)
+                    if (src)
+                        cp_async4(row + e, src + e);
+                    else
+                        row[e] = 0.0f;
+        }
+        cp_async_commit();
+    };
+    if (j0 < j1) stage(j0, 0);
     float qv[DPL], o[DPL];
+    const float * qh = a.q + (t * a.heads + (active ? h : 0)) * a.dim;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) {
-        const int64_t e = lane + 32 * i;
+        const int e = lane + 32 * i;
         qv[i] = e < d ? qh[e] : 0.0f;
         o[i] = 0.0f;
     }
-    // kKeys keys per step: their loads and reductions are independent, so a step costs about one memory and one
-    // shuffle latency instead of kKeys of each (decode reads ~640 keys per head over a few blocks).
+    // kKeys keys per step: their loads and reductions are independent, so a step costs about one shared-memory and
+    // one shuffle latency instead of kKeys of each.
     constexpr int kKeys = DPL <= 4 ? 8 : 4;
     float m = -INFINITY, den = 0.0f;
-    for (int64_t j = j0; j < j1; j += kKeys) {
-        const float * k[kKeys];
+    for (int64_t c0 = j0, b = 0; c0 < j1; c0 += chunk, b ^= 1) {
+        if (c0 + chunk < j1) {
+            stage(c0 + chunk, int(b ^ 1));  // its buffer's last readers passed the barrier that ended their chunk
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const float * rows = attn_keys + int(b) * chunk * ld + lane;
+        const int keys = int(min(int64_t(chunk), j1 - c0));
+        for (int s = 0; active && s < keys; s += kKeys) {
+            float kv[kKeys][DPL];
+            float l[kKeys];
 #pragma unroll
-        for (int jj = 0; jj < kKeys; ++jj) k[jj] = j + jj < j1 ? key_row(a, kl, t, j + jj) : nullptr;
-        float kv[kKeys][DPL];
-        float l[kKeys];
+            for (int jj = 0; jj < kKeys; ++jj) {
+                const float * kr = rows + (s + jj) * ld;
+                float dot = 0.0f;
 #pragma unroll
-        for (int jj = 0; jj < kKeys; ++jj) {
-            float dot = 0.0f;
+                for (int i = 0; i < DPL; ++i) {
+                    kv[jj][i] = kr[32 * i];
+                    dot += qv[i] * kv[jj][i];
+                }
+                l[jj] = s + jj < keys && attn_valid[b][s + jj] ? dot : -INFINITY;
+            }
+            float m_new = m;
+#pragma unroll
+            for (int jj = 0; jj < kKeys; ++jj) {
+                l[jj] = warp_sum(l[jj]) * a.scale;  // -inf (no key) stays -inf
+                m_new = fmaxf(m_new, l[jj]);
+            }
+            if (m_new == -INFINITY) continue;  // no key in this step
+            const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+            float p[kKeys];
+            den *= corr;
+#pragma unroll
+            for (int jj = 0; jj < kKeys; ++jj) {
+                p[jj] = expf(l[jj] - m_new);  // 0 for no key
+                den += p[jj];
+            }
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
-                const int64_t e = lane + 32 * i;
-                kv[jj][i] = k[jj] && e < d ? __ldg(k[jj] + e) : 0.0f;
-                dot += qv[i] * kv[jj][i];
+                float v = o[i] * corr;
+#pragma unroll
+                for (int jj = 0; jj < kKeys; ++jj) v += p[jj] * kv[jj][i];
+                o[i] = v;
             }
-            l[jj] = dot;
+            m = m_new;
         }
-        float m_new = m;
-#pragma unroll
-        for (int jj = 0; jj < kKeys; ++jj) {
-            l[jj] = warp_sum(l[jj]) * a.scale;
-            if (k[jj]) m_new = fmaxf(m_new, l[jj]);
-        }
-        if (m_new == -INFINITY) continue;  // no key in this step
-        const float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
-        float p[kKeys];
-        den *= corr;
-#pragma unroll
-        for (int jj = 0; jj < kKeys; ++jj) {
-            p[jj] = k[jj] ? expf(l[jj] - m_new) : 0.0f;
-            den += p[jj];
-        }
-#pragma unroll
-        for (int i = 0; i < DPL; ++i) {
-            float v = o[i] * corr;
-#pragma unroll
-            for (int jj = 0; jj < kKeys; ++jj) v += p[jj] * kv[jj][i];
-            o[i] = v;
-        }
-        m = m_new;
+        __syncthreads();
     }
+    if (!active) return;
     if (gridDim.y == 1) {
         const float mf = fmaxf(m, sink);
         const float c = m == -INFINITY ? 0.0f : expf(m - mf);
@@ -535,7 +580,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
         const int64_t rot0 = d - a.out_n_rot;  // first rotated channel (even)
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
-            const int64_t e = lane + 32 * i;
+            const int e = lane + 32 * i;
             float v = o[i] * c * inv;
             // The pair (e, e ^ 1) sits in neighbouring lanes (32 is even).
             const float other = __shfl_xor_sync(kFull, v, 1);
@@ -552,7 +597,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
         }
 #pragma unroll
         for (int i = 0; i < DPL; ++i) {
-            const int64_t e = lane + 32 * i;
+            const int e = lane + 32 * i;
             if (e < d) part[2 + e] = o[i];
         }
     }
@@ -829,7 +874,9 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
         launch(indexer_scores_tc_kernel, dim3(unsigned((a.n + kIdxTcTokens - 1) / kIdxTcTokens)), dim3(256), kIdxTcSmem,
                s, a);
     else if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim)
-        launch(indexer_scores_h64_kernel, grid, dim3(256), 0, s, a);
+        launch(indexer_scores_h64_kernel,
+               dim3(std::min<unsigned>(blocks_for(a.capacity, 8), unsigned(2 * device_sms())), unsigned(a.n)),
+               dim3(256), 0, s, a);
     else if (a.capacity > a.top_k)
         launch(indexer_scores_kernel, grid, dim3(256), smem, s, a);
     launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
@@ -878,17 +925,20 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
     const int splits = attention_splits(a);
     const int64_t per_split = (max_keys(a) + splits - 1) / splits;
     const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));
-    const int dpl = int((a.dim + 31) / 32);
-    if (dpl <= 1)
-        launch(attention_kernel<1>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
-    else if (dpl <= 2)
-        launch(attention_kernel<2>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
-    else if (dpl <= 4)
-        launch(attention_kernel<4>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
-    else if (dpl <= 8)
-        launch(attention_kernel<8>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
+    // A lane's values of a head (DPL): 512-wide heads 16, narrower ones the next power of two.
+    const int dpl = a.dim <= 32 ? 1 : a.dim <= 64 ? 2 : a.dim <= 128 ? 4 : a.dim <= 256 ? 8 : 16;
+    const size_t smem = 2 * size_t(attention_chunk_keys(32 * dpl)) * size_t(32 * dpl) * sizeof(float);
+    const auto run = [&](auto kernel) { launch(kernel, grid, dim3(kAttnWarps * 32), smem, s, a, per_split); };
+    if (dpl == 1)
+        run(attention_kernel<1>);
+    else if (dpl == 2)
+        run(attention_kernel<2>);
+    else if (dpl == 4)
+        run(attention_kernel<4>);
+    else if (dpl == 8)
+        run(attention_kernel<8>);
     else
-        launch(attention_kernel<16>, grid, dim3(kAttnWarps * 32), 0, s, a, per_split);
+        run(attention_kernel<16>);
     if (splits > 1)
         launch(attention_combine_kernel, dim3(unsigned(a.n * a.heads)),
                dim3(unsigned(std::clamp<int64_t>((a.dim / 2 + 31) / 32 * 32, 32, 256))), 0, s, a, splits);
