@@ -866,9 +866,9 @@ void size_pairs(MatvecTarget & t, int split, int64_t pairs, int per_sm, int64_t 
 
 template <int NT, bool GLU, class... Us>
 void launch_kernel(MatvecArgs a, dim3 grid, size_t smem, cudaStream_t s) {
-    const auto kernel = matvec_kernel<NT, GLU, Us...>;
+    constexpr auto kernel = matvec_kernel<NT, GLU, Us...>;
     if (a.pair_experts) {
-        size_pairs(a.t[0], a.split, grid.y, blocks_per_sm<matvec_kernel<NT, GLU, Us...>>(smem), 0);
+        size_pairs(a.t[0], a.split, grid.y, blocks_per_sm<kernel>(smem), 0);
         grid.x = unsigned(a.t[0].blocks);
     }
     launch(kernel, grid, dim3(kThreads), smem, s, a);
