@@ -23,8 +23,9 @@ constexpr unsigned kFull = 0xffffffffu;
 // latency, and lets a product stream its weights into L2 meanwhile). The rule that keeps this correct: every
 // kernel calls pdl_begin() in every block before it touches any memory another kernel writes or reads (only
 // weights, which no kernel writes, may be read or prefetched before it). pdl_begin() waits until the previous
-// kernel has completed and its writes are visible, then lets the next kernel launch. DSV4_CUDA_PDL=0 launches
-// plainly (the instructions are then no-ops).
+// kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel starts only after
+// the one two launches back has completed: what that one wrote may be read (through L2, __ldcg) before the wait
+// too, and nothing later overwrites it first. DSV4_CUDA_PDL=0 launches plainly (the instructions are then no-ops).
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -52,22 +53,45 @@ int device_attribute(int fallback, int floor) {
 // Multiprocessors of the current device.
 inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
 
+// Blocks grouped into clusters of cluster_x along x where cluster_x > 1 (sm_90 and later).
 template <typename... Params, typename... Args>
-void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&... args) {
+void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                    Args &&... args) {
     if (launch_skipped(reinterpret_cast<const void *>(kernel))) return;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchAttribute attr[2] = {};
+    unsigned n = 0;
+    if (pdl_enabled()) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster_x > 1) {
+        attr[n].id = cudaLaunchAttributeClusterDimension;
+        attr[n].val.clusterDim.x = cluster_x;
+        attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
+        ++n;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
     cfg.attrs = attr;
-    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    cfg.numAttrs = n;
     cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
+
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args &&... args) {
+    launch_cluster(kernel, 1, grid, block, smem, s, std::forward<Args>(args)...);
+}
+
+// Cluster barrier halves: arrive releases this thread's writes (shared memory of other blocks included), wait
+// acquires those of every thread that arrived. Every thread of the cluster takes part, each warp converged.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
 // Global -> shared without passing through registers (16 bytes by L2 only, 4 bytes through L1); zeros when src

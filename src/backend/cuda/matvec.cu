@@ -806,9 +806,17 @@ __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArg
 
 // One token's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
 // 256 for V4's 2048-wide rows, a warp each) into shared memory first: no quantize launch between gate/up and down.
+// Its blocks pull their expert's rows into L2 before the wait: the router, two launches back, has written the
+// expert ids (see pdl_begin), and moe_shared before it is bound by instruction issue, not by memory.
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const MatvecArgs a) {
     extern __shared__ __align__(16) uint8_t smem[];
     const MatvecTarget & t = a.t[0];
+    const int e = __ldcg(a.pair_experts + blockIdx.y);
+    if (e >= 0 && e < a.n_expert) {
+        const int64_t per_block = int64_t(kWarps / a.split) * kRowsPerWarp;
+        for (int64_t rb = blockIdx.x; rb * per_block < t.rows; rb += t.blocks)
+            prefetch_weight_rows(t.w, int64_t(e) * t.rows + rb * per_block, min(per_block, t.rows - rb * per_block));
+    }
     pdl_begin();
     Tile<1> tile;
     if (!load_tile(a, t, tile, int(blockIdx.y))) return;

@@ -3,6 +3,7 @@
 // Float arithmetic follows the CPU backend's expressions (double sums of squares, the same FP8/FP4 bit rules).
 #include "backend/cuda/common.cuh"
 
+#include <cooperative_groups.h>
 #include <mma.h>
 
 #include <cxxabi.h>
@@ -546,7 +547,8 @@ __device__ float sinkhorn4(float c, int iters, float eps) {
     return lane < 16 ? c : 0.0f;
 }
 
-// Decode (fewer than kHcRowsTokens tokens): one kernel per sublayer boundary, where a partial kernel and a
+// Decode (fewer than kHcRowsTokens tokens) where the cluster kernel below does not run (a GPU without clusters of
+// 16 blocks, a row too wide for one block, hc != 4): one kernel per sublayer boundary, where a partial kernel and a
 // one-block finish ran before (and, for a fused HCPost, a third kernel). A block owns kHcChunk elements of one
 // token's hc·D stream row: it first applies the previous sublayer's HCPost to them when asked (the same sum as
 // hc_post_kernel), then reduces their products with the n_mix mixing rows and their squares into the token's
@@ -789,6 +791,142 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
     }
     __syncthreads();
     if (sh.last) hc_finish_token<true>(a, n_mix, chunks, t, mp, sh);
+}
+
+// Decode by a cluster of kHcClusterBlocks blocks per token (hc = 4): a thread owns one column of the four streams
+// and holds its 4 · n_mix mixing weights in registers (read before the wait). Each block pushes its mixing sums and
+// the four streams' Gram matrix G (10 sums; its trace is the squares' sum) into every block's shared memory, and
+// after one cluster barrier each block has the token's totals: the mixing weights w, and y's squares without a
+// second pass, Σ_c y_c² = wᵀ G w. The rows kernel above spent a fence, a counter and a one-block finish reading the
+// streams back from L2. The last warp of each block owns no column: rank 0's runs Sinkhorn beside y (the next
+// boundary reads comb).
+constexpr int kHcClusterBlocks = 16;
+constexpr int kHcClusterMaxWarps = 32;
+constexpr int kGram = 10;  // G[h][k], h <= k, row by row
+
+struct HcClusterShared {
+    float part[kHcClusterBlocks][kMaxMix];   // [rank][row] the blocks' mixing sums, pushed by their owners
+    double part_g[kHcClusterBlocks][kGram];  // [rank][] the blocks' Gram matrices
+    float red[kHcClusterMaxWarps][kMaxMix];  // [warp][row] this block's warp sums
+    double red_g[kHcClusterMaxWarps][kGram];
+    double gram[kGram];  // the token's
+    float w[4];
+    float comb[16];
+};
+
+int hc_cluster_columns(int64_t width) { return int((width + kHcClusterBlocks - 1) / kHcClusterBlocks + 31) / 32 * 32; }
+
+template <FnKind K, int kMix>
+__global__ void hc_cluster_kernel(HcArgs a) {
+    __shared__ HcClusterShared sh;
+    const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const int rank = int(cluster.block_rank());
+    const int64_t W = a.width, t = blockIdx.y;
+    const int cols = int(blockDim.x) - 32, tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    const int col_warps = cols / 32;
+    const int64_t c = int64_t(rank) * cols + tid;
+    const bool inside = warp < col_warps && c < W;
+    float fn[kMix][4];
+#pragma unroll
+    for (int r = 0; r < kMix; ++r)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) fn[r][h] = inside ? fn_element<K>(a.fn, r, h * W + c) : 0.0f;
+    const float norm_w = inside && a.norm ? a.norm[c] : 0.0f;
+    const HcMixParam mp = hc_mix_param(a, kMix);
+    pdl_begin();
+    float x[4] = {};
+    if (inside) {
+        if (a.post_streams) {  // hc_post_kernel's sum
+            const float * ct = a.comb + t * 16;
+            const float ov = a.post_o[t * W + c];
+            float ps[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) ps[k] = a.post_streams[(t * 4 + k) * W + c];
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                float v = a.post[t * 4 + h] * ov;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) v += ct[k * 4 + h] * ps[k];
+                x[h] = v;
+                a.streams[(t * 4 + h) * W + c] = v;
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) x[h] = a.streams[(t * 4 + h) * W + c];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kMix; ++r) {
+        float p = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) p += fn[r][h] * x[h];
+        p = warp_sum(p);
+        if (lane == 0) sh.red[warp][r] = p;
+    }
+#pragma unroll
+    for (int h = 0, g = 0; h < 4; ++h)
+#pragma unroll
+        for (int k = h; k < 4; ++k, ++g) {
+            const double v = warp_sum(double(x[h]) * double(x[k]));
+            if (lane == 0) sh.red_g[warp][g] = v;
+        }
+    __syncthreads();
+    for (int i = tid; i < kHcClusterBlocks * (kMix + kGram); i += int(blockDim.x)) {
+        const int dst = i / (kMix + kGram), r = i % (kMix + kGram);
+        if (r < kMix) {
+            float v = 0.0f;
+            for (int w = 0; w < col_warps; ++w) v += sh.red[w][r];
+            *cluster.map_shared_rank(&sh.part[rank][r], dst) = v;
+        } else {
+            double v = 0;
+            for (int w = 0; w < col_warps; ++w) v += sh.red_g[w][r - kMix];
+            *cluster.map_shared_rank(&sh.part_g[rank][r - kMix], dst) = v;
+        }
+    }
+    // Every push lands before any block reads its totals; none is made after, so a block may exit when done.
+    cluster_arrive();
+    cluster_wait();
+    if (tid < kMix) {
+        float v = 0.0f;
+        double ss = 0;
+        for (int b = 0; b < kHcClusterBlocks; ++b) {
+            v += sh.part[b][tid];
+            ss += (sh.part_g[b][0] + sh.part_g[b][4]) + (sh.part_g[b][7] + sh.part_g[b][9]);
+        }
+        const float m = v * (1.0f / sqrtf(float(ss / double(4 * W)) + a.eps_norm)), z = m * mp.scale + mp.bias;
+        if (tid < 4)
+            sh.w[tid] = sigmoidf_(z) + a.eps_hc;
+        else if (tid < 8 && rank == 0)
+            a.post[t * 4 + tid - 4] = 2.0f * sigmoidf_(z);
+        if (tid >= 8) sh.comb[tid - 8] = z;
+    } else if (tid < kMix + kGram) {
+        double v = 0;
+        for (int b = 0; b < kHcClusterBlocks; ++b) v += sh.part_g[b][tid - kMix];
+        sh.gram[tid - kMix] = v;
+    }
+    __syncthreads();
+    if (warp == col_warps) {
+        if (rank == 0 && kMix > 4) {
+            const float cv = sinkhorn4(lane < 16 ? sh.comb[lane] : 0.0f, a.iters, a.eps_hc);
+            if (lane < 16) a.comb[t * 16 + lane] = cv;
+        }
+        return;
+    }
+    float v = 0.0f;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) v += sh.w[h] * x[h];
+    if (a.norm) {
+        double yy = 0;
+#pragma unroll
+        for (int h = 0, g = 0; h < 4; ++h)
+#pragma unroll
+            for (int k = h; k < 4; ++k, ++g) {
+                const double wh = sh.w[h], wk = sh.w[k];
+                yy += (h == k ? 1.0 : 2.0) * wh * wk * sh.gram[g];
+            }
+        v = norm_w * (v * (1.0f / sqrtf(float(yy / double(W)) + a.eps_norm)));
+    }
+    if (inside) a.y[t * W + c] = v;
 }
 
 // Prefill's finish: a block per token.
@@ -1149,6 +1287,38 @@ int64_t hc_partial_floats(int64_t n, int64_t hc, int64_t width, int64_t n_mix) {
     return n * ((hc * width + kHcChunk - 1) / kHcChunk) * mix_record(n_mix);
 }
 
+// The cluster kernel where the device runs clusters of kHcClusterBlocks and a block of one thread per column fits
+// (DSV4_CUDA_HC_CLUSTER=0: never, so that tests reach the rows kernel on any GPU).
+template <FnKind K, int kMix>
+bool hc_cluster_fits(int64_t width) {
+    // The widest block that fits a multiprocessor's registers (0: no clusters of kHcClusterBlocks here).
+    static const int max_threads = [] {
+        auto kernel = hc_cluster_kernel<K, kMix>;
+        const char * e = std::getenv("DSV4_CUDA_HC_CLUSTER");
+        if ((e && e[0] == '0') ||
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = kHcClusterBlocks;
+        attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(kHcClusterBlocks);
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        for (int threads = 1024; threads >= 64; threads -= 32) {
+            cfg.blockDim = dim3(unsigned(threads));
+            int clusters = 0;
+            if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) cudaGetLastError();
+            if (clusters > 0) return threads;
+        }
+        return 0;
+    }();
+    return hc_cluster_columns(width) + 32 <= max_threads;
+}
+
 void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
     const int n_mix = int(hc_n_mix(a.hc, a.head));
@@ -1170,6 +1340,20 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
         }
     };
     // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
+    if (a.n < kHcRowsTokens && a.hc == 4 && (n_mix == 24 || n_mix == 4)) {
+        const bool done = with_fn_kind([&](auto kind) {
+            constexpr FnKind K = decltype(kind)::value;
+            auto run = [&](auto mix) {
+                constexpr int kMix = decltype(mix)::value;
+                if (!hc_cluster_fits<K, kMix>(a.width)) return false;
+                launch_cluster(hc_cluster_kernel<K, kMix>, kHcClusterBlocks, dim3(kHcClusterBlocks, unsigned(a.n)),
+                               dim3(unsigned(hc_cluster_columns(a.width) + 32)), 0, s, a);
+                return true;
+            };
+            return n_mix == 24 ? run(std::integral_constant<int, 24>{}) : run(std::integral_constant<int, 4>{});
+        });
+        if (done) return;
+    }
     if (a.n < kHcRowsTokens) {
         with_fn_kind([&](auto kind) {
             constexpr FnKind K = decltype(kind)::value;
