@@ -53,7 +53,16 @@ int device_attribute(int fallback, int floor) {
 // Multiprocessors of the current device.
 inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
 
-// Blocks grouped into clusters of cluster_x along x where cluster_x > 1 (sm_90 and later).
+// The launch attribute that groups a grid's blocks into clusters of x blocks along x (sm_90 and later).
+inline cudaLaunchAttribute cluster_dim_attr(unsigned x) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = x;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    return attr;
+}
+
+// Blocks grouped into clusters of cluster_x along x where cluster_x > 1.
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
                     Args &&... args) {
@@ -65,12 +74,7 @@ void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, di
         attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[n++].val.programmaticStreamSerializationAllowed = 1;
     }
-    if (cluster_x > 1) {
-        attr[n].id = cudaLaunchAttributeClusterDimension;
-        attr[n].val.clusterDim.x = cluster_x;
-        attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
-        ++n;
-    }
+    if (cluster_x > 1) attr[n++] = cluster_dim_attr(cluster_x);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;

@@ -1300,10 +1300,7 @@ bool hc_cluster_fits(int64_t width) {
             cudaGetLastError();
             return 0;
         }
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = kHcClusterBlocks;
-        attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+        cudaLaunchAttribute attr = cluster_dim_attr(kHcClusterBlocks);
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(kHcClusterBlocks);
         cfg.attrs = &attr;
