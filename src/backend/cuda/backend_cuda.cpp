@@ -63,6 +63,9 @@ class CudaBackend final : public Backend {
         name_ = fmt::format("cuda ({}, sm_{}{}, {:.0f} GiB)", prop.name, prop.major, prop.minor,
                             double(prop.totalGlobalMem) / double(1ull << 30));
         check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+        check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(side)");
+        check(cudaEventCreateWithFlags(&side_fork_, cudaEventDisableTiming), "cudaEventCreate(side)");
+        check(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming), "cudaEventCreate(side)");
         release_host_pages_ = o.release_host_pages || prop.integrated;
         if (prop.integrated)
             log_info(
@@ -77,12 +80,15 @@ class CudaBackend final : public Backend {
         for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
         check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
         check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
-        check(cudaMalloc(&hc_done_, cuda::kHcRowsTokens * sizeof(unsigned)), "cudaMalloc(hc counters)");
-        check(cudaMemsetAsync(hc_done_, 0, cuda::kHcRowsTokens * sizeof(unsigned), stream_), "cudaMemset(hc counters)");
+        check(cudaMalloc(&hc_done_, (cuda::kHcRowsTokens + 1) * sizeof(unsigned)), "cudaMalloc(hc counters)");
+        check(cudaMemsetAsync(hc_done_, 0, (cuda::kHcRowsTokens + 1) * sizeof(unsigned), stream_),
+              "cudaMemset(hc counters)");
+        comb_flag_ = hc_done_ + cuda::kHcRowsTokens;
     }
 
     ~CudaBackend() override {
         cudaSetDevice(dev_);
+        join_side();
         cudaStreamSynchronize(stream_);
         if (profile_) print_profile();
         drop_graphs();
@@ -97,6 +103,9 @@ class CudaBackend final : public Backend {
         if (scratch_) cudaFree(scratch_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
+        cudaEventDestroy(side_fork_);
+        cudaEventDestroy(side_done_);
+        cudaStreamDestroy(side_);
         cudaStreamDestroy(stream_);
         if (uploaded_ > 0)
             log_info("cuda: uploaded {:.2f} GB of weights in {:.1f} s ({:.2f} GB/s)", double(uploaded_) / 1e9,
@@ -162,6 +171,7 @@ class CudaBackend final : public Backend {
     void write(const Tensor & dst, const void * host, size_t bytes, size_t offset) override {
         bind();
         DSV4_CHECK(!capturing_, "cuda: write() inside a captured sequence");
+        join_side();
         if (bytes <= kIoSlotBytes) {
             // Through a pinned slot, without waiting: the bytes are ours once copied there, and the stream orders
             // the transfer before any kernel that reads them. The slot's previous transfer has long finished.
@@ -183,6 +193,7 @@ class CudaBackend final : public Backend {
     void read(const Tensor & src, void * host, size_t bytes, size_t offset) override {
         bind();
         DSV4_CHECK(!capturing_, "cuda: read() inside a captured sequence");
+        join_side();
         // Small reads (the sampler's candidates) land in a pinned slot: the copy goes straight to host memory
         // instead of through the driver's staging buffer. A pending write from the same slot is earlier in the
         // stream, so it has read the slot before this copy fills it.
@@ -195,17 +206,20 @@ class CudaBackend final : public Backend {
         if (profile_) collect_timings();
     }
     void copy(const Tensor & dst, const Tensor & src, size_t bytes, size_t dst_offset, size_t src_offset) override {
+        join_side();
         check(cudaMemcpyAsync(static_cast<uint8_t *>(dst.data) + dst_offset,
                               static_cast<const uint8_t *>(src.data) + src_offset, bytes, cudaMemcpyDeviceToDevice,
                               stream_),
               "copy");
     }
     void fill(const Tensor & dst, float value) override {
+        join_side();
         cuda::fill_f32(dst.f32(), dst.n_elements(), value, stream_);
         launched("fill");
     }
     void synchronize() override {
         bind();
+        join_side();
         check(cudaStreamSynchronize(stream_), "synchronize");
     }
 
@@ -225,6 +239,7 @@ class CudaBackend final : public Backend {
             cudaGraph_t graph = nullptr;
             try {
                 ops();
+                join_side();  // a capture ends on its origin stream with every fork joined
             } catch (...) {
                 capturing_ = false;
                 cudaStreamEndCapture(stream_, &graph);
@@ -376,7 +391,7 @@ class CudaBackend final : public Backend {
     void hc_pre(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
                 const Tensor & comb) override {
         const OpScope scope(*this, "hc_pre");
-        cuda::hc_mix(hc_pre_args(streams, w, y, post, comb), stream_);
+        mix_boundary(hc_pre_args(streams, w, y, post, comb));
         launched("hc_pre");
     }
 
@@ -386,13 +401,14 @@ class CudaBackend final : public Backend {
         cuda::HcArgs a = hc_pre_args(out, w, y, post, comb);
         a.post_streams = streams.f32();
         a.post_o = o.f32();
-        cuda::hc_mix(a, stream_);
+        mix_boundary(a);
         launched("hc_post_pre");
     }
 
     void hc_post(const Tensor & streams, const Tensor & o, const Tensor & post, const Tensor & comb,
                  const Tensor & out) override {
         const OpScope scope(*this, "hc_post");
+        join_side();
         const int64_t hc = streams.ne[1];
         cuda::hc_post(streams.f32(), o.f32(), post.f32(), comb.f32(), out.f32(), streams.rows() / hc, hc, streams.ne[0],
                       stream_);
@@ -783,6 +799,31 @@ class CudaBackend final : public Backend {
 
     void launched(const char * what) { check(cudaGetLastError(), what); }
 
+    // A sublayer boundary's HCPre (and HCPost, when a.post_streams). The decode cluster kernel leaves comb holding
+    // Sinkhorn's logits (cuda::hc_mix_clusters): their 20 dependent rounds run on side_, beside the next sublayer,
+    // which does not read comb. The next boundary, when it reads that comb, waits for the kernel's flag rather than
+    // for a join (a graph edge from another stream would cost it its early launch); everything else that may read
+    // or rewrite comb (hc_pre, hc_post, the rows kernel, a read, a copy, the end of a capture) joins side_ first.
+    void mix_boundary(cuda::HcArgs a) {
+        const bool clusters = cuda::hc_mix_clusters(a);
+        a.comb_pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;
+        if (!a.comb_pending) join_side();
+        a.comb_flag = comb_flag_;
+        cuda::hc_mix(a, stream_);
+        if (!clusters) return;
+        check(cudaEventRecord(side_fork_, stream_), "cudaEventRecord(side)");
+        check(cudaStreamWaitEvent(side_, side_fork_), "cudaStreamWaitEvent(side)");
+        cuda::hc_sinkhorn(a.comb, a.n, a.iters, a.eps_hc, comb_flag_, side_);
+        check(cudaEventRecord(side_done_, side_), "cudaEventRecord(side)");
+        side_pending_ = true;
+        side_comb_ = a.comb;
+    }
+    void join_side() {
+        if (!side_pending_) return;
+        check(cudaStreamWaitEvent(stream_, side_done_), "cudaStreamWaitEvent(side)");
+        side_pending_ = false;
+    }
+
     cuda::WeightRef ref(const Tensor & t) const {
         cuda::WeightRef r;
         r.data = static_cast<const uint8_t *>(t.data);
@@ -972,8 +1013,14 @@ class CudaBackend final : public Backend {
     bool tensor_cores_;  // prefill products on gemm() (CudaBackendOptions::tensor_cores)
     std::string name_;
     cudaStream_t stream_ = nullptr;
+    cudaStream_t side_ = nullptr;  // the decode boundaries' Sinkhorn, beside stream_ (mix_boundary)
+    cudaEvent_t side_fork_ = nullptr, side_done_ = nullptr;
+    bool side_pending_ = false;          // side_ has work stream_ has not joined
+    const float * side_comb_ = nullptr;  // the comb whose Sinkhorn side_ ran last
+    unsigned * comb_flag_ = nullptr;     // set by that Sinkhorn when done, cleared by the cluster kernel
     cuda::Iq2Tables * iq2_ = nullptr;
-    unsigned * hc_done_ = nullptr;  // [kHcRowsTokens]: hc_mix's decode kernel counts its blocks per token here
+    // [kHcRowsTokens + 1]: hc_mix's rows kernel counts its blocks per token here; the last is comb_flag_
+    unsigned * hc_done_ = nullptr;
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;
     // Device bytes held now and at most (cudaMalloc'd buffers, weights, scratch, staging).

@@ -798,8 +798,8 @@ __global__ void __launch_bounds__(kThreadsHc) hc_rows_kernel(HcArgs a, int n_mix
 // the four streams' Gram matrix G (10 sums; its trace is the squares' sum) into every block's shared memory, and
 // after one cluster barrier each block has the token's totals: the mixing weights w, and y's squares without a
 // second pass, Σ_c y_c² = wᵀ G w. The rows kernel above spent a fence, a counter and a one-block finish reading the
-// streams back from L2. The last warp of each block owns no column: rank 0's runs Sinkhorn beside y (the next
-// boundary reads comb).
+// streams back from L2. comb receives Sinkhorn's input, the logits: its 20 rounds were this kernel's tail (~2.5 µs
+// after y), and hc_sinkhorn, launched by the backend on a second stream, runs them beside the next sublayer.
 constexpr int kHcClusterBlocks = 16;
 constexpr int kHcClusterMaxWarps = 32;
 constexpr int kGram = 10;  // G[h][k], h <= k, row by row
@@ -811,10 +811,13 @@ struct HcClusterShared {
     double red_g[kHcClusterMaxWarps][kGram];
     double gram[kGram];  // the token's
     float w[4];
-    float comb[16];
 };
 
-int hc_cluster_columns(int64_t width) { return int((width + kHcClusterBlocks - 1) / kHcClusterBlocks + 31) / 32 * 32; }
+// Threads of a block: a column each, rounded to whole warps, and at least the kMaxMix + kGram that sum the totals.
+int hc_cluster_columns(int64_t width) {
+    return std::max(64, int((width + kHcClusterBlocks - 1) / kHcClusterBlocks + 31) / 32 * 32);
+}
+static_assert(kMaxMix + kGram <= 64);
 
 template <FnKind K, int kMix>
 __global__ void hc_cluster_kernel(HcArgs a) {
@@ -822,10 +825,10 @@ __global__ void hc_cluster_kernel(HcArgs a) {
     const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
     const int rank = int(cluster.block_rank());
     const int64_t W = a.width, t = blockIdx.y;
-    const int cols = int(blockDim.x) - 32, tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+    const int cols = int(blockDim.x), tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
     const int col_warps = cols / 32;
     const int64_t c = int64_t(rank) * cols + tid;
-    const bool inside = warp < col_warps && c < W;
+    const bool inside = c < W;
     float fn[kMix][4];
 #pragma unroll
     for (int r = 0; r < kMix; ++r)
@@ -833,11 +836,19 @@ __global__ void hc_cluster_kernel(HcArgs a) {
         for (int h = 0; h < 4; ++h) fn[r][h] = inside ? fn_element<K>(a.fn, r, h * W + c) : 0.0f;
     const float norm_w = inside && a.norm ? a.norm[c] : 0.0f;
     const HcMixParam mp = hc_mix_param(a, kMix);
+    // comb was final long before (its Sinkhorn ran beside the sublayer): read it before the wait too.
+    float ct[16];
+    if (a.post_streams && inside) {
+        if (a.comb_pending)  // set long before: the first poll passes (a Sinkhorn never launched fails loudly)
+            for (unsigned polls = 0; flag_acquire(a.comb_flag) == 0; ++polls)
+                if (polls == 1u << 24) __trap();
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ct[i] = __ldcg(a.comb + t * 16 + i);
+    }
     pdl_begin();
     float x[4] = {};
     if (inside) {
         if (a.post_streams) {  // hc_post_kernel's sum
-            const float * ct = a.comb + t * 16;
             const float ov = a.post_o[t * W + c];
             float ps[4];
 #pragma unroll
@@ -898,20 +909,14 @@ __global__ void hc_cluster_kernel(HcArgs a) {
             sh.w[tid] = sigmoidf_(z) + a.eps_hc;
         else if (tid < 8 && rank == 0)
             a.post[t * 4 + tid - 4] = 2.0f * sigmoidf_(z);
-        if (tid >= 8) sh.comb[tid - 8] = z;
+        if (tid >= 8 && rank == 0) a.comb[t * 16 + tid - 8] = z;
+        if (tid == 8 && rank == 0 && t == 0 && a.comb_flag) *a.comb_flag = 0;
     } else if (tid < kMix + kGram) {
         double v = 0;
         for (int b = 0; b < kHcClusterBlocks; ++b) v += sh.part_g[b][tid - kMix];
         sh.gram[tid - kMix] = v;
     }
     __syncthreads();
-    if (warp == col_warps) {
-        if (rank == 0 && kMix > 4) {
-            const float cv = sinkhorn4(lane < 16 ? sh.comb[lane] : 0.0f, a.iters, a.eps_hc);
-            if (lane < 16) a.comb[t * 16 + lane] = cv;
-        }
-        return;
-    }
     float v = 0.0f;
 #pragma unroll
     for (int h = 0; h < 4; ++h) v += sh.w[h] * x[h];
@@ -1313,7 +1318,45 @@ bool hc_cluster_fits(int64_t width) {
         }
         return 0;
     }();
-    return hc_cluster_columns(width) + 32 <= max_threads;
+    return hc_cluster_columns(width) <= max_threads;
+}
+
+// A warp per token.
+__global__ void hc_sinkhorn_kernel(float * comb, int iters, float eps, unsigned * flag) {
+    pdl_begin();
+    float * c = comb + int64_t(threadIdx.x / 32) * 16;
+    const int lane = int(threadIdx.x % 32);
+    const float v = sinkhorn4(lane < 16 ? c[lane] : 0.0f, iters, eps);
+    if (lane < 16) c[lane] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) flag_release(flag, 1);
+}
+
+// f(kind) with the mixing matrix's FnKind as a compile-time constant.
+template <class F>
+auto with_fn_kind(GgmlType type, F f) {
+    switch (type) {
+        case GgmlType::F16:
+            return f(std::integral_constant<FnKind, FnKind::f16>{});
+        case GgmlType::F32:
+            return f(std::integral_constant<FnKind, FnKind::f32>{});
+        default:
+            return f(std::integral_constant<FnKind, FnKind::any>{});
+    }
+}
+
+// f(mix) with the cluster kernel's mixing count (24: a boundary, 4: the head) as a compile-time constant.
+template <class F>
+auto with_cluster_mix(const HcArgs & a, F f) {
+    return a.head ? f(std::integral_constant<int, 4>{}) : f(std::integral_constant<int, 24>{});
+}
+
+bool hc_mix_clusters(const HcArgs & a) {
+    if (!(a.n > 0 && a.n < kHcRowsTokens && a.hc == 4)) return false;
+    return with_fn_kind(a.fn.type, [&](auto kind) {
+        return with_cluster_mix(
+            a, [&](auto mix) { return hc_cluster_fits<decltype(kind)::value, decltype(mix)::value>(a.width); });
+    });
 }
 
 void hc_mix(const HcArgs & a, cudaStream_t s) {
@@ -1325,34 +1368,17 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     const size_t finish_smem = (size_t(chunks) * size_t(mix_record(n_mix)) +
                                 (a.norm ? size_t(a.width) * (hc_rows_norm_in_smem(a.width) ? 2 : 1) : 0)) *
                                sizeof(float);
-    // f(kind) with the mixing matrix's FnKind as a compile-time constant.
-    auto with_fn_kind = [&](auto f) {
-        switch (a.fn.type) {
-            case GgmlType::F16:
-                return f(std::integral_constant<FnKind, FnKind::f16>{});
-            case GgmlType::F32:
-                return f(std::integral_constant<FnKind, FnKind::f32>{});
-            default:
-                return f(std::integral_constant<FnKind, FnKind::any>{});
-        }
-    };
     // The two partial kernels sum in different orders; a prefill and the decode steps after it each use one.
-    if (a.n < kHcRowsTokens && a.hc == 4 && (n_mix == 24 || n_mix == 4)) {
-        const bool done = with_fn_kind([&](auto kind) {
-            constexpr FnKind K = decltype(kind)::value;
-            auto run = [&](auto mix) {
-                constexpr int kMix = decltype(mix)::value;
-                if (!hc_cluster_fits<K, kMix>(a.width)) return false;
-                launch_cluster(hc_cluster_kernel<K, kMix>, kHcClusterBlocks, dim3(kHcClusterBlocks, unsigned(a.n)),
-                               dim3(unsigned(hc_cluster_columns(a.width) + 32)), 0, s, a);
-                return true;
-            };
-            return n_mix == 24 ? run(std::integral_constant<int, 24>{}) : run(std::integral_constant<int, 4>{});
+    if (hc_mix_clusters(a))
+        return with_fn_kind(a.fn.type, [&](auto kind) {
+            with_cluster_mix(a, [&](auto mix) {
+                launch_cluster(hc_cluster_kernel<decltype(kind)::value, decltype(mix)::value>, kHcClusterBlocks,
+                               dim3(kHcClusterBlocks, unsigned(a.n)), dim3(unsigned(hc_cluster_columns(a.width))), 0, s,
+                               a);
+            });
         });
-        if (done) return;
-    }
     if (a.n < kHcRowsTokens) {
-        with_fn_kind([&](auto kind) {
+        with_fn_kind(a.fn.type, [&](auto kind) {
             constexpr FnKind K = decltype(kind)::value;
             constexpr int kBoundaryMix = (2 + 4) * 4;  // V4's sublayer boundary: hc_n_mix(4 streams, not the head)
             launch(n_mix == kBoundaryMix ? hc_rows_kernel<K, kBoundaryMix> : hc_rows_kernel<K, 0>,
@@ -1366,11 +1392,15 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     if (a.tensor_cores && a.fn.type == GgmlType::F16 && n_mix <= kHcTcRows)
         launch(hc_partial_tc_kernel, tiles, dim3(kThreadsHc), 0, s, a, n_mix);
     else
-        with_fn_kind([&](auto kind) {
+        with_fn_kind(a.fn.type, [&](auto kind) {
             launch(hc_partial_tiles_kernel<decltype(kind)::value>, tiles, dim3(kThreadsHc), hc_tiles_smem(n_mix), s, a,
                    n_mix);
         });
     launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kThreadsHc), finish_smem, s, a, n_mix, chunks);
+}
+
+void hc_sinkhorn(float * comb, int64_t n, int iters, float eps, unsigned * flag, cudaStream_t s) {
+    if (n > 0) launch(hc_sinkhorn_kernel, dim3(1), dim3(unsigned(32 * n)), 0, s, comb, iters, eps, flag);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
