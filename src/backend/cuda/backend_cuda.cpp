@@ -234,6 +234,7 @@ class CudaBackend final : public Backend {
             return ops();
         }
         if (!it->second) {
+            join_side();  // the capture must not wait on work recorded before it began
             check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed), "cudaStreamBeginCapture");
             capturing_ = true;
             cudaGraph_t graph = nullptr;
@@ -803,7 +804,8 @@ class CudaBackend final : public Backend {
     // Sinkhorn's logits (cuda::hc_mix_clusters): their 20 dependent rounds run on side_, beside the next sublayer,
     // which does not read comb. The next boundary, when it reads that comb, waits for the kernel's flag rather than
     // for a join (a graph edge from another stream would cost it its early launch); everything else that may read
-    // or rewrite comb (hc_pre, hc_post, the rows kernel, a read, a copy, the end of a capture) joins side_ first.
+    // or rewrite comb (hc_pre, hc_post, the rows kernel, read, write, copy, fill, synchronize, a capture's start and
+    // end) joins side_ first.
     void mix_boundary(cuda::HcArgs a) {
         const bool clusters = cuda::hc_mix_clusters(a);
         a.comb_pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;
