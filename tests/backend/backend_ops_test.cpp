@@ -634,6 +634,19 @@ TEST(Ops, HyperConnections) {
         compare("hc_post_pre normed y" + tag, y3, 1e-5);
         compare("hc_post_pre post" + tag, post2, 1e-5);
         compare("hc_post_pre comb" + tag, comb2, 1e-5);
+        // Two boundaries in a row with no read between, as a decode step runs them: below 16 tokens the second's
+        // HCPost reads the comb whose Sinkhorn the first left running on the second stream.
+        const Both out3 = s.out(GgmlType::F32, D, hc, 1, n), y4 = s.out(GgmlType::F32, D, n);
+        for (Backend * b : {&gpu(), &cpu()}) {
+            const bool g = b == &gpu();
+            const HcPre & w = g ? normed_g : normed_c;
+            auto at = [&](const Both & t) { return g ? t.g : t.c; };
+            b->hc_post_pre(at(streams), at(o), at(post2), at(comb2), at(out2), w, at(y3));
+            b->hc_post_pre(at(out2), at(o), at(post2), at(comb2), at(out3), w, at(y4));
+        }
+        compare("two boundaries: streams" + tag, out3, 1e-5);
+        compare("two boundaries: normed y" + tag, y4, 1e-5);
+        compare("two boundaries: comb" + tag, comb2, 1e-5);
         const Both hfn = s.weight(type, hc * D, hc);
         const Both hscale = s.values({1.3f}, 1);
         const Both hbase = s.values(randn(size_t(hc), 0.5f), hc);

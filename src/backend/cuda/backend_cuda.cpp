@@ -83,7 +83,7 @@ class CudaBackend final : public Backend {
         check(cudaMalloc(&hc_done_, (cuda::kHcRowsTokens + 1) * sizeof(unsigned)), "cudaMalloc(hc counters)");
         check(cudaMemsetAsync(hc_done_, 0, (cuda::kHcRowsTokens + 1) * sizeof(unsigned), stream_),
               "cudaMemset(hc counters)");
-        comb_flag_ = hc_done_ + cuda::kHcRowsTokens;
+        sinkhorns_ = hc_done_ + cuda::kHcRowsTokens;
     }
 
     ~CudaBackend() override {
@@ -802,21 +802,27 @@ class CudaBackend final : public Backend {
 
     // A sublayer boundary's HCPre (and HCPost, when a.post_streams). The decode cluster kernel leaves comb holding
     // Sinkhorn's logits (cuda::hc_mix_clusters): their 20 dependent rounds run on side_, beside the next sublayer,
-    // which does not read comb. The next boundary, when it reads that comb, waits for the kernel's flag rather than
-    // for a join (a graph edge from another stream would cost it its early launch); everything else that may read
-    // or rewrite comb (hc_pre, hc_post, the rows kernel, read, write, copy, fill, synchronize, a capture's start and
-    // end) joins side_ first.
+    // which does not read comb. The next boundary, when it reads that comb, polls the count of Sinkhorns done
+    // rather than waiting for a join (a graph edge from another stream would cost it its early launch); everything
+    // else that may read or rewrite comb (hc_pre, hc_post, the rows kernel, read, write, copy, fill, synchronize, a
+    // capture's start and end) joins side_ first. A boundary after a join (nothing in flight) resets the count on
+    // the device and here, so a captured graph's waits hold for every replay.
     void mix_boundary(cuda::HcArgs a) {
         const bool clusters = cuda::hc_mix_clusters(a);
-        a.comb_pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;
-        if (!a.comb_pending) join_side();
-        a.comb_flag = comb_flag_;
+        const bool pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;
+        if (!pending) {
+            join_side();
+            if (clusters) sinkhorns_launched_ = 0;
+        }
+        a.sinkhorns = sinkhorns_;
+        a.sinkhorns_wait = pending ? sinkhorns_launched_ : 0;
         cuda::hc_mix(a, stream_);
         if (!clusters) return;
         check(cudaEventRecord(side_fork_, stream_), "cudaEventRecord(side)");
         check(cudaStreamWaitEvent(side_, side_fork_), "cudaStreamWaitEvent(side)");
-        cuda::hc_sinkhorn(a.comb, a.n, a.iters, a.eps_hc, comb_flag_, side_);
+        cuda::hc_sinkhorn(a.comb, a.n, a.iters, a.eps_hc, sinkhorns_, side_);
         check(cudaEventRecord(side_done_, side_), "cudaEventRecord(side)");
+        ++sinkhorns_launched_;
         side_pending_ = true;
         side_comb_ = a.comb;
     }
@@ -1019,9 +1025,10 @@ class CudaBackend final : public Backend {
     cudaEvent_t side_fork_ = nullptr, side_done_ = nullptr;
     bool side_pending_ = false;          // side_ has work stream_ has not joined
     const float * side_comb_ = nullptr;  // the comb whose Sinkhorn side_ ran last
-    unsigned * comb_flag_ = nullptr;     // set by that Sinkhorn when done, cleared by the cluster kernel
+    unsigned * sinkhorns_ = nullptr;     // device: Sinkhorns done since the last reset (mix_boundary)
+    unsigned sinkhorns_launched_ = 0;    // launched since then
     cuda::Iq2Tables * iq2_ = nullptr;
-    // [kHcRowsTokens + 1]: hc_mix's rows kernel counts its blocks per token here; the last is comb_flag_
+    // [kHcRowsTokens + 1]: hc_mix's rows kernel counts its blocks per token here; the last is sinkhorns_
     unsigned * hc_done_ = nullptr;
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;

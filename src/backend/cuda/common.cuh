@@ -97,11 +97,11 @@ __device__ __forceinline__ void cluster_arrive() {
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-// A flag between kernels that no graph edge orders (see hc_sinkhorn): release after the data, acquire before it.
-__device__ __forceinline__ void flag_release(unsigned * f, unsigned v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(f), "r"(v) : "memory");
+// A count between kernels that no graph edge orders (see hc_sinkhorn): release after the data, acquire before it.
+__device__ __forceinline__ void count_release(unsigned * f) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(f) : "memory");
 }
-__device__ __forceinline__ unsigned flag_acquire(const unsigned * f) {
+__device__ __forceinline__ unsigned count_acquire(const unsigned * f) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
     return v;

@@ -214,10 +214,11 @@ struct HcArgs {
     const float * post_streams = nullptr;  // [n, hc, D]
     const float * post_o = nullptr;        // [n, D]
     unsigned * done = nullptr;             // [kHcRowsTokens], zero between launches: the decode kernel's counters
-    // The decode cluster kernel's comb flag (see hc_sinkhorn): it clears it when it writes comb's logits, and with
-    // comb_pending waits for it to be set before its HCPost reads comb.
-    unsigned * comb_flag = nullptr;
-    bool comb_pending = false;
+    // The hc_sinkhorn launches completed since the last reset (see hc_mix_clusters): a decode cluster kernel with
+    // sinkhorns_wait > 0 polls until that many have completed before its HCPost reads comb; one with 0 (nothing in
+    // flight) resets the count.
+    unsigned * sinkhorns = nullptr;
+    unsigned sinkhorns_wait = 0;
 };
 // Mixing weights per token (HCPre: (2+hc)·hc; head: hc); hc_mix handles up to kHcMaxMix and hc <= 16. Fewer than
 // kHcRowsTokens tokens take the one-kernel decode path.
@@ -227,13 +228,15 @@ int64_t hc_n_mix(int64_t hc, bool head);
 int64_t hc_partial_floats(int64_t n, int64_t hc, int64_t width, int64_t n_mix);
 void hc_mix(const HcArgs & a, cudaStream_t s);
 // Whether hc_mix runs a's mixing as the decode cluster kernel. For HCPre (not the head) that kernel leaves comb
-// holding Sinkhorn's input, the logits, and clears *a.comb_flag: hc_sinkhorn must follow, on any stream. The 20
-// dependent rounds were the kernel's tail (~2.5 µs a boundary, every later kernel waiting); on a second stream
-// they run beside the next sublayer, and the next cluster kernel with comb_pending waits for the flag (set
-// long before) instead of a graph edge, which would cost its early launch.
+// holding Sinkhorn's input, the logits: hc_sinkhorn must follow, on any stream. The 20 dependent rounds were the
+// kernel's tail (~2.5 µs a boundary, every later kernel waiting); on a second stream they run beside the next
+// sublayer, and the next cluster kernel polls a.sinkhorns (done long before) instead of waiting for a graph edge,
+// which would cost its early launch. A count, not a flag: a flag cleared by one token's cluster could be read
+// after that by a later-scheduled cluster of the same launch.
 bool hc_mix_clusters(const HcArgs & a);
-// comb [n, 4, 4] (hc = 4, n < kHcRowsTokens) from logits to the doubly stochastic matrix, in place; then sets *flag.
-void hc_sinkhorn(float * comb, int64_t n, int iters, float eps, unsigned * flag, cudaStream_t s);
+// comb [n, 4, 4] (hc = 4, n < kHcRowsTokens) from logits to the doubly stochastic matrix, in place; then adds one
+// to *count (release).
+void hc_sinkhorn(float * comb, int64_t n, int iters, float eps, unsigned * count, cudaStream_t s);
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
              int64_t hc, int64_t width, cudaStream_t s);
 

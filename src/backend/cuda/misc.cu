@@ -839,8 +839,8 @@ __global__ void hc_cluster_kernel(HcArgs a) {
     // comb was final long before (its Sinkhorn ran beside the sublayer): read it before the wait too.
     float ct[16];
     if (a.post_streams && inside) {
-        if (a.comb_pending)  // set long before: the first poll passes (a Sinkhorn never launched fails loudly)
-            for (unsigned polls = 0; flag_acquire(a.comb_flag) == 0; ++polls)
+        if (a.sinkhorns_wait)  // done long before: the first poll passes (a Sinkhorn never launched fails loudly)
+            for (unsigned polls = 0; count_acquire(a.sinkhorns) < a.sinkhorns_wait; ++polls)
                 if (polls == 1u << 24) __trap();
 #pragma unroll
         for (int i = 0; i < 16; ++i) ct[i] = __ldcg(a.comb + t * 16 + i);
@@ -910,7 +910,7 @@ __global__ void hc_cluster_kernel(HcArgs a) {
         else if (tid < 8 && rank == 0)
             a.post[t * 4 + tid - 4] = 2.0f * sigmoidf_(z);
         if (tid >= 8 && rank == 0) a.comb[t * 16 + tid - 8] = z;
-        if (tid == 8 && rank == 0 && t == 0 && a.comb_flag) *a.comb_flag = 0;
+        if (tid == 8 && rank == 0 && t == 0 && a.sinkhorns && !a.sinkhorns_wait) *a.sinkhorns = 0;
     } else if (tid < kMix + kGram) {
         double v = 0;
         for (int b = 0; b < kHcClusterBlocks; ++b) v += sh.part_g[b][tid - kMix];
@@ -1322,14 +1322,14 @@ bool hc_cluster_fits(int64_t width) {
 }
 
 // A warp per token.
-__global__ void hc_sinkhorn_kernel(float * comb, int iters, float eps, unsigned * flag) {
+__global__ void hc_sinkhorn_kernel(float * comb, int iters, float eps, unsigned * count) {
     pdl_begin();
     float * c = comb + int64_t(threadIdx.x / 32) * 16;
     const int lane = int(threadIdx.x % 32);
     const float v = sinkhorn4(lane < 16 ? c[lane] : 0.0f, iters, eps);
     if (lane < 16) c[lane] = v;
     __syncthreads();
-    if (threadIdx.x == 0) flag_release(flag, 1);
+    if (threadIdx.x == 0) count_release(count);
 }
 
 // f(kind) with the mixing matrix's FnKind as a compile-time constant.
@@ -1399,8 +1399,8 @@ void hc_mix(const HcArgs & a, cudaStream_t s) {
     launch(hc_finish_kernel, dim3(unsigned(a.n)), dim3(kThreadsHc), finish_smem, s, a, n_mix, chunks);
 }
 
-void hc_sinkhorn(float * comb, int64_t n, int iters, float eps, unsigned * flag, cudaStream_t s) {
-    if (n > 0) launch(hc_sinkhorn_kernel, dim3(1), dim3(unsigned(32 * n)), 0, s, comb, iters, eps, flag);
+void hc_sinkhorn(float * comb, int64_t n, int iters, float eps, unsigned * count, cudaStream_t s) {
+    if (n > 0) launch(hc_sinkhorn_kernel, dim3(1), dim3(unsigned(32 * n)), 0, s, comb, iters, eps, count);
 }
 
 void hc_post(const float * streams, const float * o, const float * post, const float * comb, float * out, int64_t n,
