@@ -748,12 +748,14 @@ std::vector<double> index_scores(const std::vector<float> & q, const std::vector
 TEST(Ops, IndexerSelect) {
     // A few decode-size tokens (scores per key in f32), then a prefill chunk (scores on the tensor cores where
     // the backend has them: f16 queries and keys, so the inputs are f16 values here and only the order of the f32
-    // sums differs from the CPU's); partial key tiles, tokens below and above top_k visible rows.
-    for (int c = 0; c < 4; ++c) {
-        const bool prefill = c >= 2, ties = c % 2 == 1;
+    // sums differs from the CPU's); partial key tiles, tokens below and above top_k visible rows. The last case has
+    // a token with more visible rows than the top-k kernel keeps in shared memory (16384: it reads them from L2).
+    for (int c = 0; c < 5; ++c) {
+        const bool prefill = c == 2 || c == 3, ties = c == 1 || c == 3, long_rows = c == 4;
         Store s;
-        const int64_t H = 64, d = 128, cap = prefill ? 1100 : 700, R = 4, K = 512;
+        const int64_t H = 64, d = 128, cap = long_rows ? 17600 : prefill ? 1100 : 700, R = 4, K = 512;
         std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
+        if (long_rows) pos = {70000, 30000};
         if (prefill) {
             pos.clear();
             for (int t = 0; t < 41; ++t) pos.push_back(1000 + 85 * t);
@@ -815,7 +817,10 @@ TEST(Ops, IndexerSelect) {
             }
         }
         std::printf("  indexer_select %s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
-                    prefill ? "prefill, " : "", ties ? "all-equal keys" : "random", differ, n * K);
+                    prefill     ? "prefill, "
+                    : long_rows ? "long rows, "
+                                : "",
+                    ties ? "all-equal keys" : "random", differ, n * K);
         EXPECT_LE(differ, 4);
     }
 }

@@ -805,14 +805,19 @@ class CudaBackend final : public Backend {
     // which does not read comb. The next boundary, when it reads that comb, polls the count of Sinkhorns done
     // rather than waiting for a join (a graph edge from another stream would cost it its early launch); everything
     // else that may read or rewrite comb (hc_pre, hc_post, the rows kernel, read, write, copy, fill, synchronize, a
-    // capture's start and end) joins side_ first. A boundary after a join (nothing in flight) resets the count on
-    // the device and here, so a captured graph's waits hold for every replay.
+    // capture's start and end) joins side_ first. Before a boundary after a join (nothing in flight) the count is
+    // reset, on the device and here, so a captured graph's waits hold for every replay. The reset is a memset on the
+    // stream, not a write by that boundary: a later boundary, launched early (pdl_begin), could poll before the
+    // boundary ran, whereas every later kernel starts after a memset node has completed.
     void mix_boundary(cuda::HcArgs a) {
         const bool clusters = cuda::hc_mix_clusters(a);
         const bool pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;
         if (!pending) {
             join_side();
-            if (clusters) sinkhorns_launched_ = 0;
+            if (clusters) {
+                check(cudaMemsetAsync(sinkhorns_, 0, sizeof(unsigned), stream_), "cudaMemsetAsync(sinkhorns)");
+                sinkhorns_launched_ = 0;
+            }
         }
         a.sinkhorns = sinkhorns_;
         a.sinkhorns_wait = pending ? sinkhorns_launched_ : 0;

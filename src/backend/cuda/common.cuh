@@ -22,14 +22,18 @@ constexpr unsigned kFull = 0xffffffffu;
 // of the stream is still running (a decode step is ~30 short dependent kernels; this hides most of each launch's
 // latency, and lets a product stream its weights into L2 meanwhile). The rule that keeps this correct: every
 // kernel calls pdl_begin() in every block before it touches any memory another kernel writes or reads (only
-// weights, which no kernel writes, may be read or prefetched before it). pdl_begin() waits until the previous
-// kernel has completed and its writes are visible, then lets the next kernel launch. So a kernel starts only after
-// the one two launches back has completed: what that one wrote may be read (through L2, __ldcg) before the wait
-// too, and nothing later overwrites it first. DSV4_CUDA_PDL=0 launches plainly (the instructions are then no-ops).
+// weights, which no kernel writes, may be read or prefetched before it). pdl_begin() first lets the next kernel
+// launch, then waits until the previous kernel has completed and its writes are visible. Letting the next one
+// launch before waiting (rather than after) means a chain of kernels can be resident at once as far as their
+// blocks fit, each waiting for the one before: a product's blocks start prefetching their weights while two or
+// three small kernels before it still run (session 18: -1.9 % a layer at 2K, -1.4 % at 32K). It also means that
+// nothing another kernel writes may be read before the wait, however far back that kernel is, except through a
+// handshake of its own (the Sinkhorn count, hc_sinkhorn) or as a hint whose staleness only wastes a prefetch
+// (moe_down's expert ids). DSV4_CUDA_PDL=0 launches plainly (the instructions are then no-ops).
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 

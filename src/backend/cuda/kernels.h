@@ -214,9 +214,9 @@ struct HcArgs {
     const float * post_streams = nullptr;  // [n, hc, D]
     const float * post_o = nullptr;        // [n, D]
     unsigned * done = nullptr;             // [kHcRowsTokens], zero between launches: the decode kernel's counters
-    // The hc_sinkhorn launches completed since the last reset (see hc_mix_clusters): a decode cluster kernel with
-    // sinkhorns_wait > 0 polls until that many have completed before its HCPost reads comb; one with 0 (nothing in
-    // flight) resets the count.
+    // The hc_sinkhorn launches completed since the last reset (see hc_mix_clusters; the host resets it before a
+    // boundary with nothing in flight): a decode cluster kernel with sinkhorns_wait > 0 polls until that many have
+    // completed before its HCPost reads comb.
     unsigned * sinkhorns = nullptr;
     unsigned sinkhorns_wait = 0;
 };

@@ -806,8 +806,10 @@ __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArg
 
 // One token's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
 // 256 for V4's 2048-wide rows, a warp each) into shared memory first: no quantize launch between gate/up and down.
-// Its blocks pull their expert's rows into L2 before the wait: the router, two launches back, has written the
-// expert ids (see pdl_begin), and moe_shared before it is bound by instruction issue, not by memory.
+// Its blocks pull their expert's rows into L2 before the wait (moe_shared before it is bound by instruction issue,
+// not by memory): the router, two launches back, has usually written the expert ids by the time moe_down starts.
+// When it has not (pdl_begin lets a chain start early), the ids read are the previous step's: a prefetch of rows
+// that are not needed, never a wrong result (the ids are range-checked here and read again after the wait).
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const MatvecArgs a) {
     extern __shared__ __align__(16) uint8_t smem[];
     const MatvecTarget & t = a.t[0];

@@ -910,7 +910,6 @@ __global__ void hc_cluster_kernel(HcArgs a) {
         else if (tid < 8 && rank == 0)
             a.post[t * 4 + tid - 4] = 2.0f * sigmoidf_(z);
         if (tid >= 8 && rank == 0) a.comb[t * 16 + tid - 8] = z;
-        if (tid == 8 && rank == 0 && t == 0 && a.sinkhorns && !a.sinkhorns_wait) *a.sinkhorns = 0;
     } else if (tid < kMix + kGram) {
         double v = 0;
         for (int b = 0; b < kHcClusterBlocks; ++b) v += sh.part_g[b][tid - kMix];
