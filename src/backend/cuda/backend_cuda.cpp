@@ -808,7 +808,8 @@ class CudaBackend final : public Backend {
     // capture's start and end) joins side_ first. Before a boundary after a join (nothing in flight) the count is
     // reset, on the device and here, so a captured graph's waits hold for every replay. The reset is a memset on the
     // stream, not a write by that boundary: a later boundary, launched early (pdl_begin), could poll before the
-    // boundary ran, whereas every later kernel starts after a memset node has completed.
+    // boundary ran, whereas every later kernel starts after a memset node has completed. The memset is also what
+    // lets that boundary read comb before its PDL wait without a poll: every kernel before it has completed.
     void mix_boundary(cuda::HcArgs a) {
         const bool clusters = cuda::hc_mix_clusters(a);
         const bool pending = clusters && a.post_streams && side_pending_ && a.comb == side_comb_;

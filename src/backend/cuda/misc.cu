@@ -836,7 +836,8 @@ __global__ void hc_cluster_kernel(HcArgs a) {
         for (int h = 0; h < 4; ++h) fn[r][h] = inside ? fn_element<K>(a.fn, r, h * W + c) : 0.0f;
     const float norm_w = inside && a.norm ? a.norm[c] : 0.0f;
     const HcMixParam mp = hc_mix_param(a, kMix);
-    // comb was final long before (its Sinkhorn ran beside the sublayer): read it before the wait too.
+    // comb was final long before, so it is read before the wait too: its Sinkhorn ran beside the sublayer (the poll),
+    // or, with nothing pending, the backend's memset of the count ahead of this launch waited for every kernel before.
     float ct[16];
     if (a.post_streams && inside) {
         if (a.sinkhorns_wait)  // done long before: the first poll passes (a Sinkhorn never launched fails loudly)
