@@ -40,17 +40,18 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              const CudaBackendOptions & options) {
+              Numerics numerics, const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
-    Model model(file, *backend, n_ubatch, Numerics::reference);
+    Model model(file, *backend, n_ubatch, numerics);
     backend->synchronize();
     const ModelConfig & c = model.config();
     double file_bytes = 0;
     for (const GgufTensorInfo & t : file.tensors()) file_bytes += double(t.n_bytes);
-    std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s)\n", path.c_str(), backend->name().c_str(),
-                c.n_layer, file_bytes / 1e9, load.seconds(), file_bytes / 1e9 / load.seconds());
+    std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s), %s numerics\n", path.c_str(),
+                backend->name().c_str(), c.n_layer, file_bytes / 1e9, load.seconds(), file_bytes / 1e9 / load.seconds(),
+                numerics_name(numerics));
     const double wb = weight_bytes_per_token(file, c);
     std::printf("weights read per decoded token: %.3f GB (roofline %.1f us at %.1f TB/s)\n", wb / 1e9,
                 wb / kRooflineBytesPerSecond * 1e6, kRooflineBytesPerSecond / 1e12);
@@ -267,7 +268,7 @@ std::vector<int64_t> parse_list(const std::string & s) {
 }  // namespace
 
 int main(int argc, char ** argv) {
-    std::string model, depths = "1,2048";
+    std::string model, depths = "1,2048", numerics_arg = "official";
     int64_t n_decode = 32, n_ubatch = 2048;
     int gpu = 0;
     bool kernels = false, profile = false, no_tensor_cores = false;
@@ -279,8 +280,17 @@ int main(int argc, char ** argv) {
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
-    app.add_flag("--no-tensor-cores", no_tensor_cores, "every product on the integer path (8-bit activations)");
+    app.add_flag("--no-tensor-cores", no_tensor_cores,
+                 "every product on the integer path (8-bit activations), the indexer's scores in f32");
+    app.add_option("--numerics", numerics_arg,
+                   "official (default, as dsv4 runs: FP8 KV rows, Hadamard + FP4 indexer) or reference; the tensor "
+                   "cores stay on either way unless --no-tensor-cores");
     CLI11_PARSE(app, argc, argv);
+    Numerics numerics;
+    if (!parse_numerics(numerics_arg, &numerics)) {
+        log_error("--numerics: '{}' is neither official nor reference", numerics_arg);
+        return 2;
+    }
     CudaBackendOptions options;
     options.device = gpu;
     options.tensor_cores = !no_tensor_cores;
@@ -289,7 +299,7 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, options);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, numerics, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

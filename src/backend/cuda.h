@@ -13,8 +13,10 @@ namespace dsv4 {
 struct CudaBackendOptions {
     int device = 0;      // CUDA device index (--gpu)
     bool graphs = true;  // replay run_captured() sequences as CUDA graphs (false: always eager)
-    // Products of many tokens (prefill) on the tensor cores with f16 activations; false: every product on the
-    // integer dot products with 8-bit activations, the CPU backend's quantized arithmetic.
+    // Products of many tokens (prefill) on the tensor cores with f16 activations, and the indexer's scores (prefill
+    // and decode) from f16 queries and keys; false: every product on the integer dot products with 8-bit
+    // activations, the CPU backend's quantized arithmetic, and the indexer in f32. The engine turns it on with the
+    // official numerics, whose FP4-rounded indexer values f16 holds exactly.
     bool tensor_cores = true;
     // After copying each piece of a weight, give the source pages back to the kernel (MADV_PAGEOUT on the mapped
     // file), so the weights are not held twice. Always on for an integrated GPU (GB10: device memory and the page

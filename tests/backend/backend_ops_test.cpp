@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -746,16 +747,23 @@ std::vector<double> index_scores(const std::vector<float> & q, const std::vector
 }
 
 TEST(Ops, IndexerSelect) {
-    // A few decode-size tokens (scores per key in f32), then a prefill chunk (scores on the tensor cores where
-    // the backend has them: f16 queries and keys, so the inputs are f16 values here and only the order of the f32
-    // sums differs from the CPU's); partial key tiles, tokens below and above top_k visible rows. The last case has
-    // a token with more visible rows than the top-k kernel keeps in shared memory (16384: it reads them from L2).
-    for (int c = 0; c < 5; ++c) {
-        const bool prefill = c == 2 || c == 3, ties = c == 1 || c == 3, long_rows = c == 4;
+    // A few decode-size tokens, then a prefill chunk; partial key tiles, tokens below and above top_k visible rows.
+    // Queries and keys are f16 values: the backend scores on the tensor cores (f16 operands, f32 sums; the official
+    // numerics' FP4-rounded values are exact there), so only the order of the f32 sums differs from the CPU's. The
+    // decode cases run again on a backend without tensor cores (the f32 kernel of reference numerics). Keys equal
+    // in pairs put ties at the threshold among distinct scores; all-equal keys make every row a tie. The long rows'
+    // tokens see 7500 and 12500 rows (the top-k's keys in shared memory) and 17500 (more than that holds: it reads
+    // them from L2).
+    static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
+    for (int c = 0; c < 10; ++c) {
+        const bool f32 = c >= 6;  // the decode cases again, without tensor cores
+        const int shape = f32 ? std::array{0, 1, 4, 5}[size_t(c - 6)] : c;
+        const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3, long_rows = shape == 4;
+        const bool pairs = shape == 5;
         Store s;
         const int64_t H = 64, d = 128, cap = long_rows ? 17600 : prefill ? 1100 : 700, R = 4, K = 512;
         std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
-        if (long_rows) pos = {70000, 30000};
+        if (long_rows) pos = {70000, 30000, 50000};
         if (prefill) {
             pos.clear();
             for (int t = 0; t < 41; ++t) pos.push_back(1000 + 85 * t);
@@ -763,16 +771,23 @@ TEST(Ops, IndexerSelect) {
         const int64_t n = int64_t(pos.size());
         std::vector<float> q = randn(size_t(n * H * d)), w = randn(size_t(n * H));
         std::vector<float> keys = randn(size_t(cap * d));
-        if (prefill)
-            for (std::vector<float> * v : {&q, &keys})
-                for (float & x : *v) x = round_f16(x);
+        for (std::vector<float> * v : {&q, &keys})
+            for (float & x : *v) x = round_f16(x);
         if (ties)
             for (int64_t r = 1; r < cap; ++r) std::copy_n(keys.begin(), d, keys.begin() + r * d);
+        if (pairs)
+            for (int64_t r = 1; r < cap; r += 2) std::copy_n(keys.begin() + (r - 1) * d, d, keys.begin() + r * d);
         const Both bq = s.values(q, d, H, 1, n), bw = s.values(w, H, n), bk = s.values(keys, d, cap);
         const Both bp = s.ids(pos, n);
         const Both sel = s.out(GgmlType::I32, K, n);
         const float key_scale = 1.0f / std::sqrt(float(d) * float(H));
-        gpu().indexer_select(bq.g, bw.g, bk.g, bp.g, R, key_scale, sel.g);
+        if (f32) {
+            gpu().synchronize();  // the inputs are written on gpu()'s stream
+            no_tc->indexer_select(bq.g, bw.g, bk.g, bp.g, R, key_scale, sel.g);
+            no_tc->synchronize();
+        } else {
+            gpu().indexer_select(bq.g, bw.g, bk.g, bp.g, R, key_scale, sel.g);
+        }
         cpu().indexer_select(bq.c, bw.c, bk.c, bp.c, R, key_scale, sel.c);
         const std::vector<int32_t> got = read_gpu_ids(sel.g);
         int64_t differ = 0;
@@ -815,12 +830,21 @@ TEST(Ops, IndexerSelect) {
             if (ties) {
                 EXPECT_TRUE(diff.empty()) << "ties must go to the lower rows";
             }
+            if (pairs)
+                for (int32_t r = 0; r + 1 < int32_t(visible); r += 2) {
+                    EXPECT_FALSE(kept.count(r + 1) && !kept.count(r))
+                        << "token " << t << ": the tie of rows " << r << " and " << r + 1 << " went to the higher";
+                }
         }
-        std::printf("  indexer_select %s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
+        std::printf("  indexer_select %s%s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
+                    f32 ? "f32, " : "",
                     prefill     ? "prefill, "
                     : long_rows ? "long rows, "
                                 : "",
-                    ties ? "all-equal keys" : "random", differ, n * K);
+                    ties    ? "all-equal keys"
+                    : pairs ? "keys equal in pairs"
+                            : "random",
+                    differ, n * K);
         EXPECT_LE(differ, 4);
     }
 }

@@ -318,6 +318,88 @@ __global__ void __launch_bounds__(256) indexer_scores_tc_kernel(const IndexerArg
     }
 }
 
+// Decode on the tensor cores: a token's 64 heads are one 64-row operand (f16 in shared memory, staged by every
+// block), and each warp scores 16 keys a step (four 16 × 16 tiles over the 128 dimensions), so 16 keys' 128 × 64
+// products cost 32 tensor-core instructions instead of the h64 kernel's 32 KB of shared-memory reads per key (that
+// kernel is bound by them). The keys of a warp's next step load while it reduces the current one. Same numerics as
+// the prefill tiles above (exact products for the official numerics' FP4 values), so tensor_cores gates it too.
+// H200 traces of a 4-layer q2 file (session 19): 14.9 -> 5.2 µs a CSA layer at 32K, 4.4 -> 4.1 at 2K.
+constexpr int kIdxDecWarps = 4, kIdxDecKeys = 16, kIdxDecLdS = kIdxDecKeys + 4;
+
+__global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_kernel(const IndexerArgs a) {
+    using namespace nvcuda;
+    pdl_begin();
+    __shared__ __align__(128) half qs[kIdxFastHeads * kIdxTcLd];  // [head][kIdxTcLd]
+    // A warp's keys ([key][kIdxTcLd] f16), then its products ([head][kIdxDecLdS] f32) in the same bytes.
+    __shared__ __align__(128) float stage[kIdxDecWarps][kIdxFastHeads * kIdxDecLdS];
+    __shared__ float ws[kIdxFastHeads];
+    static_assert(kIdxDecKeys * kIdxTcLd * sizeof(half) <= sizeof(stage[0]), "a warp's keys fit its stage");
+    const int64_t t = blockIdx.y;
+    const int64_t visible = indexer_visible(a, t);
+    const int64_t stride = int64_t(gridDim.x) * kIdxDecWarps * kIdxDecKeys;
+    if (visible <= a.top_k || int64_t(blockIdx.x) * kIdxDecWarps * kIdxDecKeys >= visible) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int64_t key0 = (int64_t(blockIdx.x) * kIdxDecWarps + warp) * kIdxDecKeys;
+    // Lane l holds dimensions 4l..4l+3 of each of the step's keys.
+    float4 kv[kIdxDecKeys];
+    auto load_keys = [&](int64_t k0) {
+#pragma unroll
+        for (int r = 0; r < kIdxDecKeys; ++r)
+            kv[r] = k0 + r < visible ? __ldg(reinterpret_cast<const float4 *>(a.keys + (k0 + r) * kIdxFastDim) + lane)
+                                     : make_float4(0, 0, 0, 0);
+    };
+    // Every load of the queries and of the first keys is issued before any is used: one round trip, not one per
+    // staging step (a loop that stored each value as it arrived took ~16 round trips, 6.9 µs at 2K).
+    constexpr int kQueryLoads = kIdxFastHeads * kIdxFastDim / 4 / (kIdxDecWarps * 32);
+    float4 qv[kQueryLoads];
+#pragma unroll
+    for (int i = 0; i < kQueryLoads; ++i)
+        qv[i] = reinterpret_cast<const float4 *>(a.q + t * kIdxFastHeads * kIdxFastDim)[threadIdx.x + i * blockDim.x];
+    load_keys(key0);
+#pragma unroll
+    for (int i = 0; i < kQueryLoads; ++i) {
+        const int f = int(threadIdx.x + i * blockDim.x) * 4, r = f / kIdxFastDim, c = f % kIdxFastDim;
+        store_f16x4(qs + r * kIdxTcLd + c, qv[i]);
+    }
+    if (threadIdx.x < kIdxFastHeads) ws[threadIdx.x] = a.w[t * kIdxFastHeads + threadIdx.x];
+    __syncthreads();
+    half * ks = reinterpret_cast<half *>(stage[warp]);
+    float * ss = stage[warp];
+    for (; key0 < visible; key0 += stride) {
+#pragma unroll
+        for (int r = 0; r < kIdxDecKeys; ++r) store_f16x4(ks + r * kIdxTcLd + 4 * lane, kv[r]);
+        __syncwarp();
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kIdxFastHeads / 16];
+#pragma unroll
+        for (int m = 0; m < kIdxFastHeads / 16; ++m) wmma::fill_fragment(acc[m], 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < kIdxFastDim; kk += 16) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
+            wmma::load_matrix_sync(kf, ks + kk, kIdxTcLd);
+#pragma unroll
+            for (int m = 0; m < kIdxFastHeads / 16; ++m) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
+                wmma::load_matrix_sync(qf, qs + m * 16 * kIdxTcLd + kk, kIdxTcLd);
+                wmma::mma_sync(acc[m], qf, kf, acc[m]);
+            }
+        }
+        __syncwarp();  // every lane has read the keys before the products overwrite them
+        if (key0 + stride < visible) load_keys(key0 + stride);
+#pragma unroll
+        for (int m = 0; m < kIdxFastHeads / 16; ++m)
+            wmma::store_matrix_sync(ss + m * 16 * kIdxDecLdS, acc[m], kIdxDecLdS, wmma::mem_row_major);
+        __syncwarp();
+        // Lanes l and l + 16 sum key l % 16 over the even and the odd heads (rows one apart: 20 banks apart).
+        const int key = lane % kIdxDecKeys;
+        float sum = 0.0f;
+        for (int h = lane / kIdxDecKeys; h < kIdxFastHeads; h += 2)
+            sum += ws[h] * fmaxf(0.0f, ss[h * kIdxDecLdS + key]);
+        sum += __shfl_xor_sync(kFull, sum, kIdxDecKeys);
+        if (lane < kIdxDecKeys && key0 + key < visible) a.scores[t * a.capacity + key0 + key] = sum * a.key_scale;
+        __syncwarp();  // the sums are read before the next keys land
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Indexer top-k
 // ---------------------------------------------------------------------------------------------------------------------
@@ -882,11 +964,16 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
     static_assert(kIdxTcTokens * kIdxTcKeys == 128, "a thread pair per (token, key) of 256 threads");
-    if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim && a.tensor_cores &&
-        a.n >= kGemmMinTokens)
+    const bool h64 = a.heads == kIdxFastHeads && a.dim == kIdxFastDim;
+    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens)
         launch(indexer_scores_tc_kernel, dim3(unsigned((a.n + kIdxTcTokens - 1) / kIdxTcTokens)), dim3(256), kIdxTcSmem,
                s, a);
-    else if (a.capacity > a.top_k && a.heads == kIdxFastHeads && a.dim == kIdxFastDim)
+    else if (a.capacity > a.top_k && h64 && a.tensor_cores)
+        launch(indexer_scores_tc_decode_kernel,
+               dim3(std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(2 * device_sms())),
+                    unsigned(a.n)),
+               dim3(kIdxDecWarps * 32), 0, s, a);
+    else if (a.capacity > a.top_k && h64)
         launch(indexer_scores_h64_kernel,
                dim3(std::min<unsigned>(blocks_for(a.capacity, 8), unsigned(2 * device_sms())), unsigned(a.n)),
                dim3(256), 0, s, a);
