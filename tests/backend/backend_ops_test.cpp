@@ -750,10 +750,11 @@ TEST(Ops, IndexerSelect) {
     // A few decode-size tokens, then a prefill chunk; partial key tiles, tokens below and above top_k visible rows.
     // Queries and keys are f16 values: the backend scores on the tensor cores (f16 operands, f32 sums; the official
     // numerics' FP4-rounded values are exact there), so only the order of the f32 sums differs from the CPU's. The
-    // decode cases run again on a backend without tensor cores (the f32 kernel of reference numerics). Keys equal
-    // in pairs put ties at the threshold among distinct scores; all-equal keys make every row a tie. The long rows'
-    // tokens see 7500 and 12500 rows (the top-k's keys in shared memory) and 17500 (more than that holds: it reads
-    // them from L2).
+    // decode cases run again on a backend without tensor cores (the f32 kernel of reference numerics). The top-k
+    // takes random keys through its coarse bins, keys equal in pairs through them with ties inside the threshold's
+    // bin, and all-equal keys (one bin of every row) through its radix select. The long rows' tokens see 7500 and
+    // 12500 rows (coarse bins, 8 and 13 rows a thread) and 17500 (more than the registers hold: radix select from
+    // L2).
     static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
     for (int c = 0; c < 10; ++c) {
         const bool f32 = c >= 6;  // the decode cases again, without tensor cores

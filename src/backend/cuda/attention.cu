@@ -410,56 +410,190 @@ __device__ __forceinline__ uint32_t score_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// The k highest of n scores (ties to the lower index), their indices written ascending to sel[0, k), k <= n:
-// a 4-pass 8-bit radix select over score_key finds the k-th key, then one ordered pass keeps the indices above it
-// and the first ones equal to it. Called by every thread of a block of kTopkThreads. With `cache` (shared memory
-// for n keys) the scores are read once, not by each of the four passes and the two compaction loops again (a
-// decode step's CSA layer runs this one block alone: its 8192 rows at 32K took 18.4 µs, 16.7 with the cache; at 2K,
-// ~520 rows, 6.0 either way: the kernel is bound by its barriers and histogram steps, not by L2). Indices are 32-bit
-// (a token's rows fit): with 64-bit ones every step of the loops carried a compare-and-add chain (16.7 -> 14.6 µs
-// at 32K, 6.0 -> 5.4 at 2K).
-constexpr int kTopkThreads = 1024;
-constexpr int64_t kTopkCacheKeys = 16384;  // 64 KB: two blocks of a prefill chunk still fit a multiprocessor
+// A coarse digit (13 bits) that never decreases as the score grows and is equal for equal keys: the score as f16,
+// ordered like score_key, without its 3 lowest bits. With 5 exponent bits instead of 8, a row of scores spreads
+// over hundreds of these bins, where the top byte of score_key puts nearly all of them in one or two.
+__device__ __forceinline__ int coarse_digit(float f) {
+    if (f != f) return 0;
+    const uint32_t b = __half_as_ushort(__float2half_rn(f + 0.0f));
+    return int(((b & 0x8000u) ? ~b & 0xffffu : b | 0x8000u) >> 3);
+}
 
-__device__ void block_top_k(const float * sc, int n, int k, int32_t * sel, uint32_t * cache) {
-    __shared__ int hist[256];
-    __shared__ int red[33];
-    __shared__ uint32_t s_prefix;
-    __shared__ int s_remaining;
-    if (threadIdx.x == 0) {
-        s_prefix = 0;
-        s_remaining = k;
+// The k highest of n scores (ties to the lower index), their indices written ascending to sel[0, k), k <= n, by
+// every thread of a block of kTopkThreads. A decode step's CSA layer runs this one block alone, so its time is its
+// instructions and the chain of barriers between them. Session 18's radix select (four 8-bit passes over
+// score_key, now the fallback below) took 14.6 µs at 32K (8192 rows) and 5.4 at 2K: its first passes put nearly
+// every row in one or two digits, where each warp's `__match_any_sync` and same-address atomics serialised. The
+// coarse path below: 7.3 µs at 32K, 4.2 at 2K (session 19, H200 traces; 33,269 instructions a decode launch against
+// 61,926).
+constexpr int kTopkThreads = 1024;
+constexpr int kTopkRegKeys = 16;       // scores a thread keeps in registers: rows up to 16384 (64K context, ratio 4)
+constexpr int kTopkCoarseBins = 8192;  // 13-bit coarse digits, eight a thread in the scan
+constexpr int kTopkCandidates = 512;   // most rows of the threshold's coarse bin that are ranked one by one
+constexpr int kTopkUnits = kTopkRegKeys * 32;
+
+struct TopkShared {
+    int hist[kTopkCoarseBins];  // coarse counts; the radix passes use [0, 256) and [256, 512), one a pass
+    uint32_t cand_key[kTopkCandidates];
+    int cand_row[kTopkCandidates];
+    uint32_t kept[kTopkThreads * kTopkRegKeys / 32];  // the threshold bin's kept rows, a bit each
+    int units[kTopkUnits];  // kept rows per (chunk, warp), then their exclusive prefix: rows in order
+    int red[33];
+    int bin, above, bin_rows, candidates;  // coarse: the threshold's bin, rows in higher bins, rows in it, gathered
+    uint32_t prefix;                       // radix: the k-th key's digits found so far
+    int remaining;                         // radix: how many keys with that prefix are still to be kept
+};
+
+// Rows up to kTopkThreads · kTopkRegKeys, their scores in registers: thread t holds rows j·kTopkThreads + t (chunk
+// j; a warp's 32 rows of a chunk are a unit).
+// 1. A histogram of coarse_digit (the lanes of a warp mostly hit different bins: plain atomics) and one block scan
+//    find the bin holding the k-th score. Rows in higher bins are kept, rows in lower ones dropped.
+// 2. One pass counts each unit's rows above that bin and gathers the bin's rows (a few dozen at 32K in the
+//    synthetic files); a warp per gathered row ranks it against the others (key, then lower row first); the first
+//    k - above are kept and counted in their units.
+// 3. One block scan of the units gives each unit its first output slot, and a ballot each row's place in it.
+// Returns false, having written nothing, when the bin holds more than kTopkCandidates rows (ties, or scores within
+// an f16 step): the radix select below takes those.
+__device__ bool block_top_k_coarse(const float * sc, int n, int k, int32_t * sel, TopkShared & s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int chunks = (n + kTopkThreads - 1) / kTopkThreads;  // <= kTopkRegKeys
+    float v[kTopkRegKeys];
+#pragma unroll
+    for (int j = 0; j < kTopkRegKeys; ++j) v[j] = sc[min(j * kTopkThreads + tid, n - 1)];  // rows past n: never used
+    for (int i = tid; i < kTopkCoarseBins / 4; i += kTopkThreads)
+        reinterpret_cast<int4 *>(s.hist)[i] = int4{0, 0, 0, 0};
+    for (int i = tid; i < kTopkThreads * kTopkRegKeys / 32; i += kTopkThreads) s.kept[i] = 0;
+    if (tid == 0) s.candidates = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kTopkRegKeys; ++j) {
+        if (j >= chunks) break;
+        if (j * kTopkThreads + tid < n) atomicAdd(&s.hist[coarse_digit(v[j])], 1);
     }
-    if (cache)
-        for (int i = threadIdx.x; i < n; i += blockDim.x) cache[i] = score_key(sc[i]);
-    auto key = [&](int i) { return cache ? cache[i] : score_key(sc[i]); };
+    __syncthreads();
+    // Thread t scans bins 8191 - 8t down to 8184 - 8t: the rows of higher bins come first.
+    static_assert(kTopkCoarseBins == 8 * kTopkThreads, "eight bins a thread");
+    const int bottom = kTopkCoarseBins - 8 - 8 * tid;
+    int bins[8];
+    *reinterpret_cast<int4 *>(bins) = reinterpret_cast<const int4 *>(s.hist + bottom)[0];
+    *reinterpret_cast<int4 *>(bins + 4) = reinterpret_cast<const int4 *>(s.hist + bottom)[1];
+    int mine = 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) mine += bins[b];
+    int higher;
+    block_exclusive_scan(mine, higher, s.red);
+    if (higher < k && higher + mine >= k) {
+        for (int b = 7; b >= 0; --b) {
+            if (higher + bins[b] >= k) {
+                s.bin = bottom + b;
+                s.above = higher;
+                s.bin_rows = bins[b];
+                break;
+            }
+            higher += bins[b];
+        }
+    }
+    __syncthreads();
+    if (s.bin_rows > kTopkCandidates) return false;
+    const int bin = s.bin;
+    const unsigned lower_lanes = (1u << lane) - 1;
+    unsigned above = 0, in_bin = 0;  // a bit per chunk
+#pragma unroll
+    for (int j = 0; j < kTopkRegKeys; ++j) {
+        if (j >= chunks) break;
+        const int row = j * kTopkThreads + tid, d = row < n ? coarse_digit(v[j]) : -1;
+        const unsigned gt = __ballot_sync(kFull, d > bin), in = __ballot_sync(kFull, d == bin);
+        if (lane == 0) s.units[j * 32 + warp] = __popc(gt);
+        above |= ((gt >> lane) & 1) << j;
+        in_bin |= ((in >> lane) & 1) << j;
+        if (in) {
+            const int leader = __ffs(in) - 1;
+            int base = 0;
+            if (lane == leader) base = atomicAdd(&s.candidates, __popc(in));
+            base = __shfl_sync(kFull, base, leader);
+            if (d == bin) {
+                const int slot = base + __popc(in & lower_lanes);
+                s.cand_key[slot] = score_key(v[j]);
+                s.cand_row[slot] = row;
+            }
+        }
+    }
+    __syncthreads();
+    const int rows = s.bin_rows, need = k - s.above;
+    for (int c = warp; c < rows; c += kTopkThreads / 32) {
+        const uint32_t kc = s.cand_key[c];
+        const int rc = s.cand_row[c];
+        int ahead = 0;
+        for (int o = lane; o < rows; o += 32) {
+            const uint32_t ko = s.cand_key[o];
+            ahead += ko > kc || (ko == kc && s.cand_row[o] < rc);
+        }
+        if (__reduce_add_sync(kFull, unsigned(ahead)) < unsigned(need) && lane == 0) {
+            atomicOr(&s.kept[rc / 32], 1u << (rc % 32));
+            atomicAdd(&s.units[rc / 32], 1);  // unit (chunk rc / kTopkThreads, warp rc % kTopkThreads / 32)
+        }
+    }
+    __syncthreads();
+    const int units = chunks * 32;
+    const int count = tid < units ? s.units[tid] : 0;
+    int before;
+    block_exclusive_scan(count, before, s.red);
+    if (tid < units) s.units[tid] = before;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kTopkRegKeys; ++j) {
+        if (j >= chunks) break;
+        const int row = j * kTopkThreads + tid;
+        const bool keep = ((above >> j) & 1) || (((in_bin >> j) & 1) && ((s.kept[row / 32] >> (row % 32)) & 1));
+        const unsigned m = __ballot_sync(kFull, keep);
+        if (keep) sel[s.units[j * 32 + warp] + __popc(m & lower_lanes)] = row;
+    }
+    return true;
+}
+
+// One radix histogram step of a warp: lanes with `in` set agree on a digit first, and one of them adds the group's
+// count (the radix passes' digits cluster).
+__device__ __forceinline__ void histogram_add(int * hist, bool in, uint32_t digit) {
+    const unsigned voters = __ballot_sync(kFull, in);
+    if (in) {
+        const unsigned same = __match_any_sync(voters, digit);
+        if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[digit], __popc(same));
+    }
+}
+
+// The general path (contexts past 64K, and rows whose threshold bin is too full for the coarse path): four 8-bit
+// radix passes over score_key, the scores read from L2 in each, find the k-th key and how many keys equal to it are
+// kept; thread t then owns the contiguous rows [t·c, (t+1)·c), and two block scans give each thread its first
+// output slot and how many of its keys equal to the k-th it keeps (the lowest indices win).
+__device__ void block_top_k_radix(const float * sc, int n, int k, int32_t * sel, TopkShared & s) {
+    const int tid = threadIdx.x;
+    for (int i = tid; i < 512; i += kTopkThreads) s.hist[i] = 0;
+    if (tid == 0) {
+        s.prefix = 0;
+        s.remaining = k;
+    }
+    __syncthreads();
     uint32_t mask = 0;
     for (int pass = 0; pass < 4; ++pass) {
         const int shift = 24 - 8 * pass;
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        const uint32_t prefix = s_prefix;
-        // Scores cluster in a few digits (a row of logits shares sign and exponent bytes), so lanes of a warp agree
-        // on a digit first and one of them adds the group's count: one shared atomic per distinct digit per warp.
-        for (int base = 0; base < n; base += blockDim.x) {
-            const int i = base + threadIdx.x;
-            const uint32_t kv = i < n ? key(i) : 0;
-            const bool in = i < n && (kv & mask) == prefix;
-            const unsigned voters = __ballot_sync(kFull, in);
-            if (in) {
-                const int digit = int((kv >> shift) & 255);
-                const unsigned same = __match_any_sync(voters, digit);
-                if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&hist[digit], __popc(same));
-            }
+        const uint32_t prefix = s.prefix;
+        int *hist = s.hist + 256 * (pass & 1), *next = s.hist + 256 * ((pass + 1) & 1);
+        for (int base = 0; base < n; base += kTopkThreads) {
+            const int i = base + tid;
+            const uint32_t kv = i < n ? score_key(sc[i]) : 0;
+            histogram_add(hist, i < n && (kv & mask) == prefix, (kv >> shift) & 255);
         }
         __syncthreads();
-        // The digit holding the remaining k-th key: warp 0 scans the histogram from the top digit down, each lane
-        // over 8 digits, then the lane where the running count reaches it walks its own 8.
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x, rem = s_remaining;
+        // Warp 0 scans the histogram from the top digit down, each lane over 8 digits; the lane where the running
+        // count reaches the remaining k-th key walks its own 8 and records the digit. It also clears `next`.
+        if (tid < 32) {
+            const int lane = tid, rem = s.remaining;
             int local = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
+            for (int j = 0; j < 8; ++j) {
+                local += hist[255 - 8 * lane - j];
+                next[8 * lane + j] = 0;
+            }
             int incl = local;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -472,8 +606,8 @@ __device__ void block_top_k(const float * sc, int n, int k, int32_t * sel, uint3
                 for (int j = 0; j < 8; ++j) {
                     const int dgt = 255 - 8 * lane - j;
                     if (cum + hist[dgt] >= rem) {
-                        s_prefix = prefix | (uint32_t(dgt) << shift);
-                        s_remaining = rem - cum;
+                        s.prefix = prefix | uint32_t(dgt) << shift;
+                        s.remaining = rem - cum;
                         break;
                     }
                     cum += hist[dgt];
@@ -483,31 +617,30 @@ __device__ void block_top_k(const float * sc, int n, int k, int32_t * sel, uint3
         mask |= 255u << shift;
         __syncthreads();
     }
-    // Ordered compaction: thread t owns the contiguous indices [t·c, (t+1)·c); three block scans give each thread
-    // its first output slot and how many of the keys equal to the k-th it keeps (the lowest indices win).
-    const uint32_t thr = s_prefix;
-    const int need_eq = s_remaining;
-    const int c = (n + blockDim.x - 1) / blockDim.x, lo = min(n, int(threadIdx.x) * c), hi = min(n, lo + c);
+    const uint32_t thr = s.prefix;
+    const int need_eq = s.remaining;
+    const int c = (n + kTopkThreads - 1) / kTopkThreads, lo = min(n, tid * c), hi = min(n, lo + c);
     int gt = 0, eq = 0;
     for (int i = lo; i < hi; ++i) {
-        const uint32_t kv = key(i);
+        const uint32_t kv = score_key(sc[i]);
         gt += kv > thr;
         eq += kv == thr;
     }
     int eq_before;
-    block_exclusive_scan(eq, eq_before, red);
+    block_exclusive_scan(eq, eq_before, s.red);
     const int eq_keep = max(0, min(eq, need_eq - eq_before));
     int out;
-    block_exclusive_scan(gt + eq_keep, out, red);
+    block_exclusive_scan(gt + eq_keep, out, s.red);
     for (int i = lo, kept_eq = 0; i < hi; ++i) {
-        const uint32_t kv = key(i);
+        const uint32_t kv = score_key(sc[i]);
         if (kv > thr || (kv == thr && kept_eq++ < eq_keep)) sel[out++] = i;
     }
 }
 
-// The top_k highest scores of each token's visible rows (block_top_k: ties to the lower row, ascending).
+// The top_k highest scores of each token's visible rows (ties to the lower row, ascending).
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
     pdl_begin();
+    __shared__ TopkShared s;
     const int64_t t = blockIdx.x;
     const int64_t visible = indexer_visible(a, t);
     int32_t * sel = a.selected + t * a.top_k;
@@ -515,11 +648,10 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const Indexe
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
         return;
     }
-    extern __shared__ uint32_t topk_cache[];  // [min(capacity, kTopkCacheKeys)] keys, as the launch sized it
-    uint32_t cache_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(cache_bytes));
-    block_top_k(a.scores + t * a.capacity, int(visible), int(a.top_k), sel,
-                visible * 4 <= cache_bytes ? topk_cache : nullptr);
+    const float * sc = a.scores + t * a.capacity;
+    const int n = int(visible), k = int(a.top_k);
+    if (n <= kTopkThreads * kTopkRegKeys && block_top_k_coarse(sc, n, k, sel, s)) return;
+    block_top_k_radix(sc, n, k, sel, s);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -979,8 +1111,7 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
                dim3(256), 0, s, a);
     else if (a.capacity > a.top_k)
         launch(indexer_scores_kernel, grid, dim3(256), smem, s, a);
-    const size_t cache = size_t(std::min(a.capacity, kTopkCacheKeys)) * sizeof(uint32_t);
-    launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), cache, s, a);
+    launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 
 // Two blocks per multiprocessor, each split at least 8 keys (two steps of kKeys = 4 for 512-wide heads): a warp's

@@ -29,7 +29,10 @@ constexpr unsigned kFull = 0xffffffffu;
 // three small kernels before it still run (session 18: -1.9 % a layer at 2K, -1.4 % at 32K). It also means that
 // nothing another kernel writes may be read before the wait, however far back that kernel is, except through a
 // handshake of its own (the Sinkhorn count, hc_sinkhorn) or as a hint whose staleness only wastes a prefetch
-// (moe_down's expert ids). DSV4_CUDA_PDL=0 launches plainly (the instructions are then no-ops).
+// (moe_down's expert ids). A kernel that waits on such a handshake does so in every block before pdl_begin(): a
+// block that let the next kernel launch while another still waited could leave the chain after it resident,
+// waiting on the waiter, and the awaited kernel unscheduled (session 19). DSV4_CUDA_PDL=0 launches plainly (the
+// instructions are then no-ops).
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -838,14 +838,26 @@ __global__ void hc_cluster_kernel(HcArgs a) {
     const HcMixParam mp = hc_mix_param(a, kMix);
     // comb was final long before, so it is read before the wait too: its Sinkhorn ran beside the sublayer (the poll),
     // or, with nothing pending, the backend's memset of the count ahead of this launch waited for every kernel before.
+    // Every block polls (thread 0, then a barrier) before pdl_begin lets the next kernel launch, including blocks
+    // whose columns lie past the row. When only the threads that read comb polled, a narrow row's other blocks let
+    // the sublayer after this boundary launch while it still polled; that chain, resident and waiting on this
+    // boundary, then kept the Sinkhorn from ever running (session 19: a test fixture trapped here, two boundaries
+    // polling at once). With nothing launched after it, a polling boundary waits only on work that needs nothing
+    // from it: the Sinkhorn, whose own inputs are complete.
     float ct[16];
-    if (a.post_streams && inside) {
-        if (a.sinkhorns_wait)  // done long before: the first poll passes (a Sinkhorn never launched fails loudly)
+    if (a.post_streams && a.sinkhorns_wait) {
+        if (tid == 0)
             for (unsigned polls = 0; count_acquire(a.sinkhorns) < a.sinkhorns_wait; ++polls)
-                if (polls == 1u << 24) __trap();
+                if (polls == 1u << 24) {  // ~3 s: a Sinkhorn that never launched fails loudly, never hangs
+                    printf("dsv4: boundary of token %d waited for %u Sinkhorns, %u done\n", int(t), a.sinkhorns_wait,
+                           count_acquire(a.sinkhorns));
+                    __trap();
+                }
+        __syncthreads();
+    }
+    if (a.post_streams && inside)
 #pragma unroll
         for (int i = 0; i < 16; ++i) ct[i] = __ldcg(a.comb + t * 16 + i);
-    }
     pdl_begin();
     float x[4] = {};
     if (inside) {
