@@ -753,14 +753,14 @@ TEST(Ops, IndexerSelect) {
     // decode cases run again on a backend without tensor cores (the f32 kernel of reference numerics). The top-k
     // takes random keys through its coarse bins, keys equal in pairs through them with ties inside the threshold's
     // bin, and all-equal keys (one bin of every row) through its radix select. The long rows' tokens see 7500 and
-    // 12500 rows (coarse bins, 8 and 13 rows a thread) and 17500 (more than the registers hold: radix select from
-    // L2).
+    // 12500 rows (coarse bins, 8 and 13 rows a thread) and 17500 (more than the registers hold: the coarse bins
+    // with the scores read from L2), with random keys, keys equal in pairs and all-equal keys (radix select).
     static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
-    for (int c = 0; c < 10; ++c) {
-        const bool f32 = c >= 6;  // the decode cases again, without tensor cores
-        const int shape = f32 ? std::array{0, 1, 4, 5}[size_t(c - 6)] : c;
-        const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3, long_rows = shape == 4;
-        const bool pairs = shape == 5;
+    for (int c = 0; c < 12; ++c) {
+        const bool f32 = c >= 8;  // the decode cases again, without tensor cores
+        const int shape = f32 ? std::array{0, 1, 4, 5}[size_t(c - 8)] : c;
+        const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3 || shape == 7;
+        const bool long_rows = shape == 4 || shape == 6 || shape == 7, pairs = shape == 5 || shape == 6;
         Store s;
         const int64_t H = 64, d = 128, cap = long_rows ? 17600 : prefill ? 1100 : 700, R = 4, K = 512;
         std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
