@@ -1,5 +1,6 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
-//   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048]   prefill to each depth, then decode
+//   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048] [--warmup N]
+//                                                                              prefill to each depth, then decode
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
 // Decode timings include the per-token host work of the engine's path: Model::eval (the token's and position's
 // writes, the graph's launch) and the greedy token from the device's candidates (Model::logit_candidates).
@@ -40,7 +41,7 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              Numerics numerics, const CudaBackendOptions & options) {
+              int64_t n_warmup, Numerics numerics, const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
@@ -61,9 +62,12 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(depth, 1)));
         for (auto & t : prompt) t = int32_t(rng() % uint32_t(c.n_vocab));
         // The first prefill of a process pays one-time costs (kernels load at their first launch, scratch grows to
-        // the chunk's size): a throwaway state takes them, then the timed one runs warm.
+        // the chunk's size): a throwaway state takes them, then the timed one runs warm. --warmup shortens the
+        // throwaway prompt (a 1M prefill takes minutes); its state still has the depth's capacity.
         Timer first;
-        model.eval(*model.new_state(depth + 1), prompt, LogitsMode::last, nullptr);
+        const size_t n_first = n_warmup > 0 ? std::min(prompt.size(), size_t(n_warmup)) : prompt.size();
+        model.eval(*model.new_state(depth + 1), std::span<const int32_t>(prompt.data(), n_first), LogitsMode::last,
+                   nullptr);
         const double first_s = first.seconds();
         Timer pf;
         model.eval(*state, prompt, LogitsMode::last, nullptr);
@@ -269,7 +273,7 @@ std::vector<int64_t> parse_list(const std::string & s) {
 
 int main(int argc, char ** argv) {
     std::string model, depths = "1,2048", numerics_arg = "official";
-    int64_t n_decode = 32, n_ubatch = 2048;
+    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0;
     int gpu = 0;
     bool kernels = false, profile = false, no_tensor_cores = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
@@ -277,6 +281,7 @@ int main(int argc, char ** argv) {
     app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
     app.add_option("--decode", n_decode, "decode steps timed at each depth (default 32)");
     app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
+    app.add_option("--warmup", n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
@@ -299,7 +304,7 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, numerics, options);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, numerics, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

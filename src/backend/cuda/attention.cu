@@ -431,12 +431,15 @@ constexpr int kTopkRegKeys = 16;       // scores a thread keeps in registers: ro
 constexpr int kTopkCoarseBins = 8192;  // 13-bit coarse digits, eight a thread in the scan
 constexpr int kTopkCandidates = 512;   // most rows of the threshold's coarse bin that are ranked one by one
 constexpr int kTopkUnits = kTopkRegKeys * 32;
+constexpr int kTopkMaxRows = kTopkThreads * kTopkRegKeys;
+constexpr int kTopkSliceRows = 8192;  // a split decode's slice: 8 rows a thread in registers
+constexpr int kTopkSplitTokens = 8;   // launches of up to this many tokens split rows past the registers
 
 struct TopkShared {
     int hist[kTopkCoarseBins];  // coarse counts; the radix passes use [0, 256) and [256, 512), one a pass
     uint32_t cand_key[kTopkCandidates];
     int cand_row[kTopkCandidates];
-    uint32_t kept[kTopkThreads * kTopkRegKeys / 32];  // the threshold bin's kept rows, a bit each
+    uint32_t kept[kTopkMaxRows / 32];  // the threshold bin's kept rows, a bit each
     int units[kTopkUnits];  // kept rows per (chunk, warp), then their exclusive prefix: rows in order
     int red[33];
     int bin, above, bin_rows, candidates;  // coarse: the threshold's bin, rows in higher bins, rows in it, gathered
@@ -490,7 +493,7 @@ __device__ bool block_top_k_coarse(const float * sc, int n, int k, int32_t * sel
     for (int j = 0; j < kTopkRegKeys; ++j) v[j] = sc[min(j * kTopkThreads + tid, n - 1)];  // rows past n: never used
     for (int i = tid; i < kTopkCoarseBins / 4; i += kTopkThreads)
         reinterpret_cast<int4 *>(s.hist)[i] = int4{0, 0, 0, 0};
-    for (int i = tid; i < kTopkThreads * kTopkRegKeys / 32; i += kTopkThreads) s.kept[i] = 0;
+    for (int i = tid; i < kTopkMaxRows / 32; i += kTopkThreads) s.kept[i] = 0;
     if (tid == 0) s.candidates = 0;
     __syncthreads();
 #pragma unroll
@@ -692,7 +695,57 @@ __device__ void block_top_k_radix(const float * sc, int n, int k, int32_t * sel,
     write_top_k(sc, n, s.prefix, s.remaining, sel, s);
 }
 
-// The top_k highest scores of each token's visible rows (ties to the lower row, ascending).
+// The k highest of n scores by one block, whichever path the rows take.
+__device__ void block_top_k(const float * sc, int n, int k, int32_t * sel, TopkShared & s) {
+    const bool in_registers = n <= kTopkMaxRows;
+    if (in_registers ? block_top_k_coarse(sc, n, k, sel, s) : block_top_k_coarse_l2(sc, n, k, sel, s)) return;
+    block_top_k_radix(sc, n, k, sel, s);
+}
+
+// A decode step's rows past the registers, split: slices of about kTopkSliceRows rows, each slice's top k chosen
+// by a block of its own (indexer_topk_slices_kernel), then the token's block chooses the top k of those candidates.
+// A row among the top k of all rows is among the top k of its slice (every row ranked above it in the slice is
+// ranked above it in all rows), so the candidates hold the answer. They are stored slice after slice, each slice's
+// ascending, so a candidate's index orders like its row: the ties still go to the lower row. One block alone took
+// 18.7 µs at 128K (32768 rows) and 187 at 1M (262144; session 22's traces), its passes growing with the rows.
+struct TopkSlices {
+    int count;      // slices
+    int rows;       // rows of each slice but the last (which may have fewer)
+    int per_slice;  // candidates of each slice but the last: min(k, rows)
+};
+
+__device__ __forceinline__ TopkSlices topk_slices(int visible, int k) {
+    const int most = max(1, kTopkMaxRows / k);  // the candidates stay within the registers of the second block
+    const int count = min(most, (visible + kTopkSliceRows - 1) / kTopkSliceRows);
+    const int rows = (visible + count - 1) / count;
+    return {count, rows, min(k, rows)};
+}
+
+// Slice blockIdx.x of token blockIdx.y: its top k (all its rows when it has k or fewer) as candidates, rows
+// ascending, with their scores. Tokens whose rows fit one block's registers have nothing to split.
+__global__ void __launch_bounds__(kTopkThreads) indexer_topk_slices_kernel(const IndexerArgs a) {
+    pdl_begin();
+    __shared__ TopkShared s;
+    const int64_t t = blockIdx.y;
+    const int visible = int(indexer_visible(a, t));
+    if (visible <= kTopkMaxRows) return;
+    const TopkSlices sl = topk_slices(visible, int(a.top_k));
+    if (int(blockIdx.x) >= sl.count) return;
+    const int first = int(blockIdx.x) * sl.rows, n = min(sl.rows, visible - first), k = min(int(a.top_k), n);
+    const float * sc = a.scores + t * a.capacity + first;
+    float * cand_score = a.cand_scores + t * kTopkMaxRows + int64_t(blockIdx.x) * sl.per_slice;
+    int32_t * cand_row = a.cand_rows + t * kTopkMaxRows + int64_t(blockIdx.x) * sl.per_slice;
+    if (n > k) block_top_k(sc, n, k, cand_row, s);
+    __syncthreads();  // every thread's selection is written before any is read back
+    for (int j = threadIdx.x; j < k; j += kTopkThreads) {
+        const int r = n > k ? cand_row[j] : j;
+        cand_score[j] = sc[r];
+        cand_row[j] = first + r;
+    }
+}
+
+// The top_k highest scores of each token's visible rows (ties to the lower row, ascending); with split slices, the
+// top_k of their candidates.
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
     pdl_begin();
     __shared__ TopkShared s;
@@ -703,11 +756,17 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const Indexe
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
         return;
     }
-    const float * sc = a.scores + t * a.capacity;
     const int n = int(visible), k = int(a.top_k);
-    const bool in_registers = n <= kTopkThreads * kTopkRegKeys;
-    if (in_registers ? block_top_k_coarse(sc, n, k, sel, s) : block_top_k_coarse_l2(sc, n, k, sel, s)) return;
-    block_top_k_radix(sc, n, k, sel, s);
+    if (!a.cand_rows || n <= kTopkMaxRows) {
+        block_top_k(a.scores + t * a.capacity, n, k, sel, s);
+        return;
+    }
+    const TopkSlices sl = topk_slices(n, k);
+    const int last = sl.count - 1, candidates = last * sl.per_slice + min(k, n - last * sl.rows);
+    const int32_t * cand_row = a.cand_rows + t * kTopkMaxRows;
+    if (candidates > k) block_top_k(a.cand_scores + t * kTopkMaxRows, candidates, k, sel, s);
+    __syncthreads();  // every thread's selection is written before any is read back
+    for (int j = threadIdx.x; j < k; j += kTopkThreads) sel[j] = cand_row[candidates > k ? sel[j] : j];
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -999,24 +1058,34 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
     const int64_t nk = kl.nw + kl.nc;
     const int warp = threadIdx.x / 32, tid = threadIdx.x;
 
-    auto store8 = [](half * dst, const float * src) {
-        half2 h[4];
-        if (src) {
-            const float4 x0 = __ldg(reinterpret_cast<const float4 *>(src));
-            const float4 x1 = __ldg(reinterpret_cast<const float4 *>(src + 4));
-            h[0] = __floats2half2_rn(x0.x, x0.y);
-            h[1] = __floats2half2_rn(x0.z, x0.w);
-            h[2] = __floats2half2_rn(x1.x, x1.y);
-            h[3] = __floats2half2_rn(x1.z, x1.w);
-        } else {
-            for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(0.0f, 0.0f);
+    // 64 rows of D floats (src(r), or null for a row of zeros) into a tile of f16 rows: a thread's groups of 8 values
+    // are loaded kBatch at a time before any is converted, so a tile costs 16 / kBatch memory round trips at d = 512,
+    // not one a group (prefill at 128K: +2.3 % tokens a second, session 22).
+    static_assert(kTcHeads == 64 && kTcKeys == 64, "a tile is 64 rows");
+    constexpr int kGroups = 64 * (D / 8), kBatch = 4;
+    auto stage = [&](half * dst, auto src) {
+        for (int g0 = tid; g0 < kGroups; g0 += kBatch * kTcWarps * 32) {
+            float4 x[kBatch][2];
+#pragma unroll
+            for (int b = 0; b < kBatch; ++b) {
+                const int g = g0 + b * kTcWarps * 32;
+                const float * row = g < kGroups ? src(g / (D / 8)) : nullptr;
+                const float4 * p = reinterpret_cast<const float4 *>(row ? row + (g % (D / 8)) * 8 : nullptr);
+                x[b][0] = p ? __ldg(p) : make_float4(0, 0, 0, 0);
+                x[b][1] = p ? __ldg(p + 1) : make_float4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int b = 0; b < kBatch; ++b) {
+                const int g = g0 + b * kTcWarps * 32;
+                if (g >= kGroups) break;
+                const half2 h[4] = {__floats2half2_rn(x[b][0].x, x[b][0].y), __floats2half2_rn(x[b][0].z, x[b][0].w),
+                                    __floats2half2_rn(x[b][1].x, x[b][1].y), __floats2half2_rn(x[b][1].z, x[b][1].w)};
+                *reinterpret_cast<uint4 *>(dst + (g / (D / 8)) * kLdQ + (g % (D / 8)) * 8) =
+                    *reinterpret_cast<const uint4 *>(h);
+            }
         }
-        *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
     };
-    for (int g = tid; g < kTcHeads * (D / 8); g += kTcWarps * 32) {
-        const int h = g / (D / 8), c8 = (g % (D / 8)) * 8;
-        store8(qs + h * kLdQ + c8, h0 + h < a.heads ? a.q + ((t * a.heads + h0 + h) * D + c8) : nullptr);
-    }
+    stage(qs, [&](int h) { return h0 + h < a.heads ? a.q + (t * a.heads + h0 + h) * D : nullptr; });
     if (tid < kTcHeads) {
         row_max[tid] = -INFINITY;
         row_sum[tid] = 0.0f;
@@ -1025,10 +1094,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
     auto load_keys = [&](int64_t j0) {
         if (tid < kTcKeys) key_ptr[tid] = j0 + tid < nk ? key_row(a, kl, t, j0 + tid) : nullptr;
         __syncthreads();
-        for (int g = tid; g < kTcKeys * (D / 8); g += kTcWarps * 32) {
-            const int k = g / (D / 8), c8 = (g % (D / 8)) * 8;
-            store8(ks + k * kLdQ + c8, key_ptr[k] ? key_ptr[k] + c8 : nullptr);
-        }
+        stage(ks, [&](int k) { return key_ptr[k]; });
         __syncthreads();
     };
     // Scores of the 64 heads × 64 keys into ss: warp w takes head tile w / 2 and key tiles 2 (w % 2) + {0, 1}.
@@ -1127,6 +1193,21 @@ void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
     launch(attention_tc_kernel<D>, grid, dim3(kTcWarps * 32), attention_tc_smem<D>(), s, a);
 }
 
+size_t attention_tc_smem(int64_t dim) {  // SIZE_MAX: no kernel for that width
+    switch (dim) {
+        case 64:
+            return attention_tc_smem<64>();
+        case 128:
+            return attention_tc_smem<128>();
+        case 256:
+            return attention_tc_smem<256>();
+        case 512:
+            return attention_tc_smem<512>();
+        default:
+            return SIZE_MAX;
+    }
+}
+
 int64_t max_keys(const AttentionArgs & a) { return a.window + (!a.comp ? 0 : a.selected ? a.top_k : a.comp_capacity); }
 
 }  // namespace
@@ -1147,8 +1228,25 @@ void compressor_update(const CompressorArgs & a, cudaStream_t s) {
     launch(compressor_state_kernel, dim3(blocks_for(a.ratio * a.wide, 256)), dim3(256), 0, s, a);
 }
 
-void indexer_select(const IndexerArgs & a, cudaStream_t s) {
+// Whether a launch splits its tokens' top-k over slices (a decode step past the registers' rows; graph-stable: the
+// capacity decides, not the position).
+bool indexer_topk_split(int64_t n, int64_t capacity, int64_t top_k) {
+    return n <= kTopkSplitTokens && capacity > kTopkMaxRows && top_k > 0 && 2 * top_k <= kTopkMaxRows;
+}
+
+size_t indexer_scratch_bytes(int64_t n, int64_t capacity, int64_t top_k) {
+    const size_t scores = (size_t(n * capacity) * sizeof(float) + 15) / 16 * 16;
+    return scores + (indexer_topk_split(n, capacity, top_k) ? size_t(n) * kTopkMaxRows * 8 : 0);
+}
+
+void indexer_select(IndexerArgs a, cudaStream_t s) {
     if (a.n <= 0) return;
+    const bool split = indexer_topk_split(a.n, a.capacity, a.top_k);
+    if (split) {
+        a.cand_scores = reinterpret_cast<float *>(reinterpret_cast<char *>(a.scores) +
+                                                  (size_t(a.n * a.capacity) * sizeof(float) + 15) / 16 * 16);
+        a.cand_rows = reinterpret_cast<int32_t *>(a.cand_scores + a.n * kTopkMaxRows);
+    }
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
     static_assert(kIdxTcTokens * kIdxTcKeys == 128, "a thread pair per (token, key) of 256 threads");
@@ -1156,9 +1254,11 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
     if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens)
         launch(indexer_scores_tc_kernel, dim3(unsigned((a.n + kIdxTcTokens - 1) / kIdxTcTokens)), dim3(256), kIdxTcSmem,
                s, a);
-    else if (a.capacity > a.top_k && h64 && a.tensor_cores)
+    else if (a.capacity > a.top_k && h64 && a.tensor_cores)  // up to four blocks a multiprocessor: at long contexts
+        // their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M; four: 9.2
+        // and 39.5, session 22's traces)
         launch(indexer_scores_tc_decode_kernel,
-               dim3(std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(2 * device_sms())),
+               dim3(std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(4 * device_sms())),
                     unsigned(a.n)),
                dim3(kIdxDecWarps * 32), 0, s, a);
     else if (a.capacity > a.top_k && h64)
@@ -1167,6 +1267,12 @@ void indexer_select(const IndexerArgs & a, cudaStream_t s) {
                dim3(256), 0, s, a);
     else if (a.capacity > a.top_k)
         launch(indexer_scores_kernel, grid, dim3(256), smem, s, a);
+    if (split)
+        launch(indexer_topk_slices_kernel,
+               dim3(unsigned(std::min<int64_t>(std::max(1, kTopkMaxRows / int(a.top_k)),
+                                               (a.capacity + kTopkSliceRows - 1) / kTopkSliceRows)),
+                    unsigned(a.n)),
+               dim3(kTopkThreads), 0, s, a);
     launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 
@@ -1186,8 +1292,9 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
 }
 
+// Prefill chunks on the tiles, where a block's shared memory holds them (d = 512 needs 157 KB: not on sm_120/121).
 bool attention_tensor_cores(int64_t dim, int64_t n) {
-    return n >= kGemmMinTokens && (dim == 64 || dim == 128 || dim == 256 || dim == 512);
+    return n >= kGemmMinTokens && attention_tc_smem(dim) <= device_smem_optin() - 1024;
 }
 
 void attention(const AttentionArgs & a, cudaStream_t s) {

@@ -476,7 +476,10 @@ class CudaBackend final : public Backend {
         const int64_t n = q.rows() / a.heads;
         // Scores of a group of tokens over every stored row; groups bound the scratch at long contexts.
         const int64_t group = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(a.capacity, 1), 1, n);
-        float * scores = static_cast<float *>(scratch(size_t(group * a.capacity) * sizeof(float)));
+        const int64_t rest = n % group;  // the last group's tokens (it may split its top-k where a full one does not)
+        float * scores =
+            static_cast<float *>(scratch(std::max(cuda::indexer_scratch_bytes(group, a.capacity, a.top_k),
+                                                  cuda::indexer_scratch_bytes(rest, a.capacity, a.top_k))));
         for (int64_t t0 = 0; t0 < n; t0 += group) {
             a.n = std::min(group, n - t0);
             a.q = q.f32() + t0 * a.heads * a.dim;
@@ -1145,7 +1148,10 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // A dense product's f16 activations on the tensor cores; the widest input is the attention output.
     const uint64_t dense = uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2;
     const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
-    const uint64_t idx = std::min<uint64_t>(uint64_t(s.n_ubatch) * rows * f, uint64_t(256) << 20);
+    // Scores of as many tokens as fit 256 MB (indexer_select's groups), and a decode step's top-k candidates.
+    const int64_t group = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(int64_t(rows), 1), 1,
+                                              std::max<int64_t>(s.n_ubatch, 1));
+    const uint64_t idx = rows > 0 ? cuda::indexer_scratch_bytes(group, int64_t(rows), 1) : 0;
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
     // The arena holds one op's scratch at a time; the upload staging stays allocated beside it.

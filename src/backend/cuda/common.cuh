@@ -59,6 +59,10 @@ int device_attribute(int fallback, int floor) {
 }
 // Multiprocessors of the current device.
 inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
+// Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
+inline size_t device_smem_optin() {
+    return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024));
+}
 
 // The launch attribute that groups a grid's blocks into clusters of x blocks along x (sm_90 and later).
 inline cudaLaunchAttribute cluster_dim_attr(unsigned x) {

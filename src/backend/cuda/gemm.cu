@@ -571,10 +571,6 @@ void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
     a.glu ? launch_gemm<T, true, ROWS, BN, WG>(a, grid, s) : launch_gemm<T, false, ROWS, BN, WG>(a, grid, s);
 }
 
-// Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
-size_t device_smem_optin() {
-    return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024));
-}
 constexpr size_t kStaticSmem = 4096;  // src, dst, the IQ2_XXS grid (under 3.2 KB)
 
 // The wgmma tiles run where the build has sm_90a code (DSV4_CUDA_SM90A, set by CMake when DSV4_CUDA_ARCHITECTURES

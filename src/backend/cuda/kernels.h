@@ -284,10 +284,13 @@ struct IndexerArgs {
     int64_t n = 0, heads = 0, dim = 0, capacity = 0, ratio = 0, top_k = 0;
     float key_scale = 0;
     int32_t * selected = nullptr;  // [n, top_k]
-    float * scores = nullptr;      // scratch [n, capacity]
-    bool tensor_cores = false;     // prefill chunks score on the tensor cores (f16 queries and keys)
+    float * scores = nullptr;      // scratch of indexer_scratch_bytes: [n, capacity], then the split top-k's candidates
+    float * cand_scores = nullptr;  // set by indexer_select
+    int32_t * cand_rows = nullptr;
+    bool tensor_cores = false;  // prefill chunks score on the tensor cores (f16 queries and keys)
 };
-void indexer_select(const IndexerArgs & a, cudaStream_t s);
+size_t indexer_scratch_bytes(int64_t n, int64_t capacity, int64_t top_k);
+void indexer_select(IndexerArgs a, cudaStream_t s);
 
 struct AttentionArgs {
     const float * q = nullptr;    // [n, H, d]
