@@ -25,7 +25,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = 2;
-constexpr size_t kMaxActSmem = 160 * 1024;
+constexpr size_t kMaxActSmem = 160 * 1024;  // a tile's activation codes; less where the device allows less (sm_120)
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Activation tiles in shared memory
@@ -1130,7 +1130,7 @@ void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s) {
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
     int nt = n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
     if (!is_float(w))
-        while (nt > 1 && quant_smem(w, nt, k) > kMaxActSmem) nt /= 2;
+        while (nt > 1 && quant_smem(w, nt, k) > std::min(kMaxActSmem, device_smem_optin() - 4096)) nt /= 2;
     return nt;
 }
 
