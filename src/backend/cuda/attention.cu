@@ -714,11 +714,11 @@ struct TopkSlices {
     int per_slice;  // candidates of each slice but the last: min(k, rows)
 };
 
-__device__ __forceinline__ TopkSlices topk_slices(int visible, int k) {
-    const int most = max(1, kTopkMaxRows / k);  // the candidates stay within the registers of the second block
-    const int count = min(most, (visible + kTopkSliceRows - 1) / kTopkSliceRows);
+__host__ __device__ inline TopkSlices topk_slices(int visible, int k) {
+    const int most = std::max(1, kTopkMaxRows / k);  // the candidates stay within the registers of the second block
+    const int count = std::min(most, (visible + kTopkSliceRows - 1) / kTopkSliceRows);
     const int rows = (visible + count - 1) / count;
-    return {count, rows, min(k, rows)};
+    return {count, rows, std::min(k, rows)};
 }
 
 // Slice blockIdx.x of token blockIdx.y: its top k (all its rows when it has k or fewer) as candidates, rows
@@ -1234,17 +1234,22 @@ bool indexer_topk_split(int64_t n, int64_t capacity, int64_t top_k) {
     return n <= kTopkSplitTokens && capacity > kTopkMaxRows && top_k > 0 && 2 * top_k <= kTopkMaxRows;
 }
 
+// The scores' part of the scratch, 16-byte aligned: the split top-k's candidates follow it.
+size_t indexer_scores_bytes(int64_t n, int64_t capacity) {
+    return (size_t(n * capacity) * sizeof(float) + 15) / 16 * 16;
+}
+
 size_t indexer_scratch_bytes(int64_t n, int64_t capacity, int64_t top_k) {
-    const size_t scores = (size_t(n * capacity) * sizeof(float) + 15) / 16 * 16;
-    return scores + (indexer_topk_split(n, capacity, top_k) ? size_t(n) * kTopkMaxRows * 8 : 0);
+    return indexer_scores_bytes(n, capacity) +
+           (indexer_topk_split(n, capacity, top_k) ? size_t(n) * kTopkMaxRows * 8 : 0);
 }
 
 void indexer_select(IndexerArgs a, cudaStream_t s) {
     if (a.n <= 0) return;
     const bool split = indexer_topk_split(a.n, a.capacity, a.top_k);
     if (split) {
-        a.cand_scores = reinterpret_cast<float *>(reinterpret_cast<char *>(a.scores) +
-                                                  (size_t(a.n * a.capacity) * sizeof(float) + 15) / 16 * 16);
+        a.cand_scores =
+            reinterpret_cast<float *>(reinterpret_cast<char *>(a.scores) + indexer_scores_bytes(a.n, a.capacity));
         a.cand_rows = reinterpret_cast<int32_t *>(a.cand_scores + a.n * kTopkMaxRows);
     }
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
@@ -1269,10 +1274,8 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
         launch(indexer_scores_kernel, grid, dim3(256), smem, s, a);
     if (split)
         launch(indexer_topk_slices_kernel,
-               dim3(unsigned(std::min<int64_t>(std::max(1, kTopkMaxRows / int(a.top_k)),
-                                               (a.capacity + kTopkSliceRows - 1) / kTopkSliceRows)),
-                    unsigned(a.n)),
-               dim3(kTopkThreads), 0, s, a);
+               dim3(unsigned(topk_slices(int(a.capacity), int(a.top_k)).count), unsigned(a.n)), dim3(kTopkThreads), 0,
+               s, a);
     launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 

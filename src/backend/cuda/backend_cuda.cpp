@@ -29,6 +29,18 @@ void check(cudaError_t e, const char * what) {
 
 bool is_float_type(GgmlType t) { return t == GgmlType::F32 || t == GgmlType::F16 || t == GgmlType::BF16; }
 
+// indexer_select scores a group of tokens at a time over every stored row: groups bound the scratch at long contexts.
+int64_t indexer_group(int64_t n, int64_t capacity) {
+    return std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(capacity, 1), 1, std::max<int64_t>(n, 1));
+}
+// Its scratch for n tokens: a full group's, or the last group's (up to 8 tokens split their top-k where a full group
+// may not).
+size_t indexer_op_scratch(int64_t n, int64_t capacity, int64_t top_k) {
+    const int64_t group = indexer_group(n, capacity);
+    return std::max(cuda::indexer_scratch_bytes(group, capacity, top_k),
+                    cuda::indexer_scratch_bytes(n % group, capacity, top_k));
+}
+
 class CudaBackend;
 
 class DeviceBuffer final : public BackendBuffer {
@@ -474,12 +486,8 @@ class CudaBackend final : public Backend {
         a.tensor_cores = tensor_cores_;
         DSV4_CHECK(a.dim % 4 == 0, "cuda indexer_select: key width {} is not a multiple of 4", a.dim);
         const int64_t n = q.rows() / a.heads;
-        // Scores of a group of tokens over every stored row; groups bound the scratch at long contexts.
-        const int64_t group = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(a.capacity, 1), 1, n);
-        const int64_t rest = n % group;  // the last group's tokens (it may split its top-k where a full one does not)
-        float * scores =
-            static_cast<float *>(scratch(std::max(cuda::indexer_scratch_bytes(group, a.capacity, a.top_k),
-                                                  cuda::indexer_scratch_bytes(rest, a.capacity, a.top_k))));
+        const int64_t group = indexer_group(n, a.capacity);
+        float * scores = static_cast<float *>(scratch(indexer_op_scratch(n, a.capacity, a.top_k)));
         for (int64_t t0 = 0; t0 < n; t0 += group) {
             a.n = std::min(group, n - t0);
             a.q = q.f32() + t0 * a.heads * a.dim;
@@ -1148,10 +1156,8 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // A dense product's f16 activations on the tensor cores; the widest input is the attention output.
     const uint64_t dense = uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2;
     const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
-    // Scores of as many tokens as fit 256 MB (indexer_select's groups), and a decode step's top-k candidates.
-    const int64_t group = std::clamp<int64_t>((int64_t(256) << 20) / 4 / std::max<int64_t>(int64_t(rows), 1), 1,
-                                              std::max<int64_t>(s.n_ubatch, 1));
-    const uint64_t idx = rows > 0 ? cuda::indexer_scratch_bytes(group, int64_t(rows), 1) : 0;
+    // indexer_select's scratch; top_k 1: a larger k can only turn the decode top-k's split (its candidates) off.
+    const uint64_t idx = rows > 0 ? indexer_op_scratch(std::max<int64_t>(s.n_ubatch, 1), int64_t(rows), 1) : 0;
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
     // The arena holds one op's scratch at a time; the upload staging stays allocated beside it.
