@@ -233,15 +233,21 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     }
 }
 
-// Prefill chunks on the tensor cores: a block takes kIdxTcTokens tokens' 64 heads (128 query rows, f16, resident in
-// shared memory) and walks the visible keys in tiles of 64 rows converted to f16; 8 warps, each 16 query rows × the
-// tile's 64 keys (WMMA, f32 accumulators), staged in shared memory for relu, the head weights and the sum over heads
-// of each (token, key). The per-key kernel above does the 128 × 64 products of a (token, key) in f32 on the CUDA
-// cores (12 ms for an 8K chunk over 2K rows); these tiles do them in about a tenth. Numerics: queries and keys
-// rounded to f16 (the official numerics' FP4-rounded values are exact there), products and sums in f32.
-constexpr int kIdxTcTokens = 2, kIdxTcRows = kIdxTcTokens * kIdxFastHeads, kIdxTcKeys = 64;
+// Prefill chunks on the tensor cores: a block takes kIdxTcTokens tokens' 64 heads (64 query rows each, f16, resident
+// in shared memory) and walks the visible keys in tiles of 64 rows converted to f16; 4 warps a token, each 16 query
+// rows × the tile's 64 keys (WMMA, f32 accumulators), staged in shared memory for relu, the head weights and the sum
+// over heads of each (token, key). The per-key kernel above does the 128 × 64 products of a (token, key) in f32 on
+// the CUDA cores (12 ms for an 8K chunk over 2K rows); these tiles do them in about a tenth. Four tokens a block
+// load and convert each key tile once for twice the queries of two (157 KB of shared memory, one block a
+// multiprocessor: the 4-layer file's 256K prefill 8.35 → 8.15 s, session 23); two where a block cannot hold that
+// (sm_120/121). Numerics: queries and keys rounded to f16 (the official numerics' FP4-rounded values are exact
+// there), products and sums in f32; the sums' order does not depend on the tokens a block takes.
+constexpr int kIdxTcKeys = 64;
 constexpr int kIdxTcLd = kIdxFastDim + 8, kIdxTcLdS = kIdxTcKeys + 4;  // padded rows (halves, floats)
-constexpr size_t kIdxTcSmem = size_t(kIdxTcRows + kIdxTcKeys) * kIdxTcLd * 2 + size_t(kIdxTcRows) * kIdxTcLdS * 4;
+template <int TOK>
+constexpr size_t idx_tc_smem() {
+    return size_t(TOK * kIdxFastHeads + kIdxTcKeys) * kIdxTcLd * 2 + size_t(TOK * kIdxFastHeads) * kIdxTcLdS * 4;
+}
 
 // Four f32 values as f16 at dst (8-byte aligned).
 __device__ __forceinline__ void store_f16x4(half * dst, float4 v) {
@@ -249,7 +255,10 @@ __device__ __forceinline__ void store_f16x4(half * dst, float4 v) {
     reinterpret_cast<half2 *>(dst)[1] = __floats2half2_rn(v.z, v.w);
 }
 
-__global__ void __launch_bounds__(256) indexer_scores_tc_kernel(const IndexerArgs a) {
+// A thread pair per (token, key) of the tile: kIdxTcTokens · 128 threads.
+template <int kIdxTcTokens>
+__global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(const IndexerArgs a) {
+    constexpr int kIdxTcRows = kIdxTcTokens * kIdxFastHeads;
     using namespace nvcuda;
     pdl_begin();
     extern __shared__ __align__(128) uint8_t smem_idx_tc[];
@@ -1254,11 +1263,12 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
     }
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
-    static_assert(kIdxTcTokens * kIdxTcKeys == 128, "a thread pair per (token, key) of 256 threads");
     const bool h64 = a.heads == kIdxFastHeads && a.dim == kIdxFastDim;
-    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens)
-        launch(indexer_scores_tc_kernel, dim3(unsigned((a.n + kIdxTcTokens - 1) / kIdxTcTokens)), dim3(256), kIdxTcSmem,
-               s, a);
+    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens &&
+        idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored
+        launch(indexer_scores_tc_kernel<4>, dim3(unsigned((a.n + 3) / 4)), dim3(4 * 128), idx_tc_smem<4>(), s, a);
+    else if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens)
+        launch(indexer_scores_tc_kernel<2>, dim3(unsigned((a.n + 1) / 2)), dim3(2 * 128), idx_tc_smem<2>(), s, a);
     else if (a.capacity > a.top_k && h64 && a.tensor_cores)  // up to four blocks a multiprocessor: at long contexts
         // their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M; four: 9.2
         // and 39.5, session 22's traces)
