@@ -2,13 +2,16 @@
 """Per-kernel costs of the decode steps in a libdsv4_ktrace.so timeline (docs/cuda.md).
 
 Usage: ktrace_summary.py TIMELINE [--steps N] [--list]
+       ktrace_summary.py TIMELINE --totals [--top N]
 
 A step is one execution of the decode graph: the kernels of one graph id until a graph node repeats. The steps of
 the most common size are used (the last N of them). Each kernel's cost is how much later it ends than the kernel
 that ended before it: in a chain of dependent kernels with programmatic dependent launch, blocks start early and
 wait, so durations overlap and only the ends add up to the step. Between two steps, what the GPU ran outside the
 graph (the sampler's kernels, the token's copies) is listed with its mean time; the rest of the gap the GPU waited
-for the host. --list prints the last step kernel by kernel.
+for the host. --list prints the last step kernel by kernel. --totals sums every kernel and copy of the timeline by
+kind instead, for runs that are not decode steps (a long prefill: its chunks run eagerly, one kernel after another,
+so the durations add up to the GPU's time).
 """
 import argparse
 import collections
@@ -45,13 +48,34 @@ def kind(name):
     return name if name.startswith(('matvec_kernel', 'memcpy')) else re.sub(r'[<(].*$', '', name)
 
 
+def totals(records, top):
+    if not records:
+        raise SystemExit('no kernels in the timeline (was the program run with LD_PRELOAD?)')
+    time = collections.defaultdict(lambda: [0, 0])
+    for k in records:
+        t = time[kind(k[6])]
+        t[0] += 1
+        t[1] += k[1] - k[0]
+    busy = sum(t for _, t in time.values())
+    span = max(k[1] for k in records) - min(k[0] for k in records)
+    print(f'span {span / 1e9:.3f} s, kernels and copies {busy / 1e9:.3f} s')
+    print(f'{"launches":>8} {"ms":>10} {"share":>6}  kind')
+    for name, (n, t) in sorted(time.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f'{n:8d} {t / 1e6:10.1f} {100 * t / busy:5.1f} %  {name[:100]}')
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('timeline')
     ap.add_argument('--steps', type=int, default=8, help='steps averaged (the last ones; default 8)')
     ap.add_argument('--list', action='store_true', help='the last step kernel by kernel')
+    ap.add_argument('--totals', action='store_true', help='every kernel and copy summed by kind (prefill runs)')
+    ap.add_argument('--top', type=int, default=20, help='kinds printed with --totals (default 20)')
     args = ap.parse_args()
     records = read(args.timeline)
+    if args.totals:
+        totals(records, args.top)
+        return
     steps = steps_of(records)
     if not steps:
         raise SystemExit(f'{args.timeline}: no graph kernels (was the program run with LD_PRELOAD?)')
