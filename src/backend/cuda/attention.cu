@@ -1264,12 +1264,12 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
     const bool h64 = a.heads == kIdxFastHeads && a.dim == kIdxFastDim;
-    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens &&
-        idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored
-        launch(indexer_scores_tc_kernel<4>, dim3(unsigned((a.n + 3) / 4)), dim3(4 * 128), idx_tc_smem<4>(), s, a);
-    else if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens)
-        launch(indexer_scores_tc_kernel<2>, dim3(unsigned((a.n + 1) / 2)), dim3(2 * 128), idx_tc_smem<2>(), s, a);
-    else if (a.capacity > a.top_k && h64 && a.tensor_cores)  // up to four blocks a multiprocessor: at long contexts
+    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens) {
+        if (idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored; not on sm_120/121
+            launch(indexer_scores_tc_kernel<4>, dim3(unsigned((a.n + 3) / 4)), dim3(4 * 128), idx_tc_smem<4>(), s, a);
+        else
+            launch(indexer_scores_tc_kernel<2>, dim3(unsigned((a.n + 1) / 2)), dim3(2 * 128), idx_tc_smem<2>(), s, a);
+    } else if (a.capacity > a.top_k && h64 && a.tensor_cores)  // up to four blocks a multiprocessor: at long contexts
         // their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M; four: 9.2
         // and 39.5, session 22's traces)
         launch(indexer_scores_tc_decode_kernel,
