@@ -222,7 +222,7 @@ class Backend {
     // Compressor: for token t (position p = positions[t], consecutive), adds ape[p mod R] to its score row, puts
     // its projections into the open block of the state, and when p mod R = R - 1 pools the block into one row
     // per channel (softmax over the candidates' scores), finishes it (`finish`) and stores it as row p / R of
-    // `store` [capacity, width].
+    // `store` [capacity, width] (F32, or BF16: the finished row rounded to nearest even).
     //   kv, score: F32 [n, c·width] (c = 2 with overlap, else 1); ape [c·width, R] (any float type)
     //   state_kv, state_score: F32 [c·R, c·width]. Without overlap, row j holds token j of the open block. With
     //   overlap, rows [0, R) hold the previous complete block and rows [R, 2R) the open one; a block's row pools
@@ -233,7 +233,7 @@ class Backend {
                                    const CompressedRowFinish & finish, const Tensor & store) = 0;
     // Lightning indexer: for query t at position p = positions[t], score_b = Σ_h w[t,h]·relu(q[t,h]·keys[b])·
     // key_scale over the visible rows b < floor((p + 1) / R); writes the top_k best row ids (ascending), -1
-    // padded, to selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I].
+    // padded, to selected I32 [n, top_k]. q [n, H_I, d_I]; w [n, H_I]; keys [capacity, d_I] (F32 or BF16).
     virtual void indexer_select(const Tensor & q, const Tensor & w, const Tensor & keys, const Tensor & positions,
                                 int64_t ratio, float key_scale, const Tensor & selected) = 0;
     // Sink attention of queries q [n, H, d] (query t at position p = positions[t]) over the raw window (positions

@@ -117,7 +117,8 @@ class EngineImpl final : public Engine {
     const Tokenizer * tokenizer() const override { return tokenizer_ ? &*tokenizer_ : nullptr; }
     std::unique_ptr<Session> new_session(int64_t n_ctx) override;
     uint64_t session_bytes(int64_t n_ctx) const override {
-        return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp).total();
+        return plan_kv(model_->config(), n_ctx, info_.n_ubatch, info_.has_mtp, indexer_key_type(model_->numerics()))
+            .total();
     }
     uint64_t peak_device_bytes() const override { return backend_->peak_device_bytes(); }
     Model & model() { return *model_; }
@@ -310,6 +311,9 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
     if (!options.mtp_path.empty()) mtp_file.emplace(GgufFile::open(options.mtp_path));
     const ModelConfig c = load_config(file);
     const bool on_gpu = wants_gpu(options);
+    Numerics numerics;
+    DSV4_CHECK(parse_numerics(options.numerics, &numerics), "unknown numerics '{}' (official or reference)",
+               options.numerics);
 
     MemoryPlan base;
     base.n_sessions = std::max(n_sessions, 1);
@@ -329,7 +333,7 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
     ModelFootprint f;
     auto fill = [&](MemoryPlan & q, int64_t ctx) {
         q.n_ctx = ctx;
-        const KvPlan kv = plan_kv(c, ctx, q.n_ubatch, f.has_mtp);
+        const KvPlan kv = plan_kv(c, ctx, q.n_ubatch, f.has_mtp, indexer_key_type(numerics));
         q.kv_raw = kv.raw_bytes;
         q.kv_compressed = kv.compressed_bytes;
         q.kv_indexer = kv.indexer_bytes;

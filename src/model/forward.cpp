@@ -10,6 +10,8 @@ namespace dsv4 {
 
 const char * numerics_name(Numerics n) { return n == Numerics::reference ? "reference" : "official"; }
 
+GgmlType indexer_key_type(Numerics n) { return n == Numerics::official ? GgmlType::BF16 : GgmlType::F32; }
+
 bool parse_numerics(std::string_view name, Numerics * out) {
     if (name == "reference") *out = Numerics::reference;
     else if (name == "official") *out = Numerics::official;
@@ -166,7 +168,8 @@ uint64_t Model::workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bo
 }
 
 std::unique_ptr<KvState> Model::new_state(int64_t n_ctx) const {
-    return std::make_unique<KvState>(config_, backend_, n_ctx, n_ubatch_, weights_.mtp.has_value());
+    return std::make_unique<KvState>(config_, backend_, n_ctx, n_ubatch_, weights_.mtp.has_value(),
+                                     indexer_key_type(numerics_));
 }
 
 bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,

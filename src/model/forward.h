@@ -27,6 +27,10 @@ enum class Numerics {
 
 const char * numerics_name(Numerics n);
 bool parse_numerics(std::string_view name, Numerics * out);
+// The type a state keeps the indexer's keys in: BF16 under the official numerics, whose keys leave FP4Sim as an E2M1
+// value (one mantissa bit) times a power of two of at least 2^-126, which BF16 holds exactly, subnormals included,
+// at half the bytes read by every indexer step; F32 under the reference numerics, whose keys are any f32.
+GgmlType indexer_key_type(Numerics n);
 
 enum class LogitsMode { none, last, all };
 

@@ -1,6 +1,7 @@
 #include "model/kv_state.h"
 
 #include "util/error.h"
+#include "util/half.h"
 
 #include <xxhash.h>
 
@@ -51,7 +52,7 @@ int64_t compressed_rows(const LayerConfig & lc, int64_t n_ctx) {
 
 }  // namespace
 
-KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with_mtp) {
+KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with_mtp, GgmlType idx_keys) {
     KvPlan p;
     p.n_ctx = n_ctx;
     p.ring = c.window + std::max<int64_t>(n_ubatch, 1) - 1;
@@ -63,7 +64,7 @@ KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with
         p.compressed_bytes += size_t(rows * c.head_dim) * f;
         p.frontier_bytes += 2 * size_t(frontier_rows(lc) * frontier_width(lc, c.head_dim)) * f;
         if (lc.kind == LayerKind::csa) {
-            p.indexer_bytes += size_t(rows * c.indexer_dim) * f;
+            p.indexer_bytes += size_t(rows * c.indexer_dim) * (idx_keys == GgmlType::BF16 ? 2 : f);
             p.frontier_bytes += 2 * size_t(2 * lc.compress_ratio * 2 * c.indexer_dim) * f;
         }
     }
@@ -72,14 +73,16 @@ KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with
     return p;
 }
 
-KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, int64_t n_ubatch, bool with_mtp)
+KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, int64_t n_ubatch, bool with_mtp,
+                 GgmlType idx_keys)
     : config_(config), backend_(backend), n_ctx_(n_ctx) {
     DSV4_CHECK(n_ctx > 0 && n_ubatch > 0, "context ({}) and batch ({}) must be positive", n_ctx, n_ubatch);
-    plan_ = plan_kv(config, n_ctx, n_ubatch, with_mtp);
+    DSV4_CHECK(idx_keys == GgmlType::F32 || idx_keys == GgmlType::BF16, "indexer keys must be F32 or BF16");
+    plan_ = plan_kv(config, n_ctx, n_ubatch, with_mtp, idx_keys);
     ring_ = plan_.ring;
-    auto tensor = [&](int64_t width, int64_t rows) {
-        auto buf = backend_.alloc(size_t(width * rows) * sizeof(float));
-        Tensor t = make_tensor(GgmlType::F32, buf->data(), width, rows);
+    auto tensor = [&](int64_t width, int64_t rows, GgmlType type = GgmlType::F32) {
+        auto buf = backend_.alloc(size_t(width * rows) * (type == GgmlType::BF16 ? 2 : sizeof(float)));
+        Tensor t = make_tensor(type, buf->data(), width, rows);
         buffers_.push_back(std::move(buf));
         return t;
     };
@@ -93,7 +96,7 @@ KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, i
             s.comp_kv = tensor(frontier_width(lc, d), frontier_rows(lc));
             s.comp_score = tensor(frontier_width(lc, d), frontier_rows(lc));
             if (lc.kind == LayerKind::csa) {
-                s.idx_keys = tensor(config.indexer_dim, rows);
+                s.idx_keys = tensor(config.indexer_dim, rows, idx_keys);
                 s.idx_kv = tensor(2 * config.indexer_dim, 2 * lc.compress_ratio);
                 s.idx_score = tensor(2 * config.indexer_dim, 2 * lc.compress_ratio);
             }
@@ -137,9 +140,16 @@ std::string KvState::snapshot() const {
 
     const int64_t n_raw = std::min<int64_t>(n_past_, config_.window - 1);
     std::vector<float> buf;
+    std::vector<uint16_t> half;
     auto put_rows = [&](const Tensor & t, int64_t first, int64_t count) {
         buf.resize(size_t(count * t.ne[0]));
-        backend_.read(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+        if (t.type == GgmlType::BF16) {
+            half.resize(buf.size());
+            backend_.read(t, half.data(), half.size() * 2, size_t(first * t.ne[0]) * 2);
+            for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(half[i]);
+        } else {
+            backend_.read(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+        }
         w.put(buf.data(), buf.size() * sizeof(float));
     };
     auto put_raw = [&](const Tensor & raw) {
@@ -194,10 +204,18 @@ void KvState::restore(std::string_view bytes) {
 
     const int64_t n_raw = std::min<int64_t>(int64_t(n_past), config_.window - 1);
     std::vector<float> buf;
+    std::vector<uint16_t> half;
+    // A BF16 store takes the rows rounded (exact for a state of the same numerics, which wrote them as BF16).
     auto get_rows = [&](const Tensor & t, int64_t first, int64_t count) {
         buf.resize(size_t(count * t.ne[0]));
         r.get(buf.data(), buf.size() * sizeof(float));
-        backend_.write(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+        if (t.type == GgmlType::BF16) {
+            half.resize(buf.size());
+            for (size_t i = 0; i < buf.size(); ++i) half[i] = f32_to_bf16(buf[i]);
+            backend_.write(t, half.data(), half.size() * 2, size_t(first * t.ne[0]) * 2);
+        } else {
+            backend_.write(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+        }
     };
     auto get_raw = [&](const Tensor & raw) {
         for (int64_t p = int64_t(n_past) - n_raw; p < int64_t(n_past); ++p) get_rows(raw, p % ring_, 1);

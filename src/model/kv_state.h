@@ -19,7 +19,7 @@ struct LayerState {
     Tensor comp;        // F32 [n_ctx / R, d]: compressed row b pools positions [bR, bR + R)   (csa, hca)
     Tensor comp_kv;     // F32 [c·R, c·d]: compressor frontier, projected values             (csa: c = 2; hca: 1)
     Tensor comp_score;  // F32 [c·R, c·d]: compressor frontier, gate scores (-inf = empty)
-    Tensor idx_keys;    // F32 [n_ctx / R, d_I]: indexer key of compressed row b            (csa)
+    Tensor idx_keys;    // F32 or BF16 [n_ctx / R, d_I]: indexer key of compressed row b    (csa)
     Tensor idx_kv;      // F32 [2R, 2·d_I]: indexer compressor frontier, values
     Tensor idx_score;   // F32 [2R, 2·d_I]: indexer compressor frontier, scores
 };
@@ -38,11 +38,14 @@ struct KvPlan {
 
 // ring = window + n_ubatch - 1: a chunk of n_ubatch tokens writes all its rows before attending, and its first
 // query still needs the window - 1 rows before the chunk.
-KvPlan plan_kv(const ModelConfig & config, int64_t n_ctx, int64_t n_ubatch, bool with_mtp = false);
+// idx_keys: the indexer keys' type (indexer_key_type in model/forward.h).
+KvPlan plan_kv(const ModelConfig & config, int64_t n_ctx, int64_t n_ubatch, bool with_mtp = false,
+               GgmlType idx_keys = GgmlType::F32);
 
 class KvState {
   public:
-    KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, int64_t n_ubatch, bool with_mtp = false);
+    KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, int64_t n_ubatch, bool with_mtp = false,
+            GgmlType idx_keys = GgmlType::F32);
 
     int64_t n_ctx() const { return n_ctx_; }
     int64_t n_past() const { return n_past_; }
@@ -61,7 +64,8 @@ class KvState {
     void clear();
 
     // The state at its current position as bytes: a versioned header (shapes), the last window-1 raw rows,
-    // every written compressed and indexer row, the frontiers, and an xxh64 checksum.
+    // every written compressed and indexer row (as f32 whatever their type here), the frontiers, and an xxh64
+    // checksum.
     std::string snapshot() const;
     // Restores a snapshot; throws dsv4::Error (and leaves the state cleared) when the bytes are corrupt, were made
     // for another model shape, or need more context than this state has.

@@ -542,6 +542,41 @@ TEST(KvPlan, RealShapeAddsUp) {
     EXPECT_EQ(p.compressed_bytes, (size_t(21) * (ctx / 4) + size_t(20) * (ctx / 128)) * 512 * 4);
     EXPECT_EQ(p.indexer_bytes, size_t(21) * (ctx / 4) * 128 * 4);
     EXPECT_EQ(p.frontier_bytes, size_t(21) * 2 * (8 * 1024 + 8 * 256) * 4 + size_t(20) * 2 * (128 * 512) * 4);
+    // Under the official numerics the indexer keys are BF16: half those bytes.
+    EXPECT_EQ(plan_kv(c, ctx, ub, false, indexer_key_type(Numerics::official)).indexer_bytes, p.indexer_bytes / 2);
+}
+
+// The official numerics keep the indexer's keys as BF16 (indexer_key_type): the keys are FP4-rounded, so BF16 holds
+// them exactly. A state holding them as F32 computes the same logits bit for bit, snapshots to the same bytes, and
+// continues the same after a snapshot of either is restored into the other kind. 40 tokens give the CSA layer (ratio
+// 4, top 4) 10 rows to choose from.
+TEST(KvState, Bf16IndexerKeysAreExactUnderOfficialNumerics) {
+    const GgufFile f = GgufFile::open(std::string(DSV4_TEST_DATA) + "/gguf/tiny-deepseek4.gguf");
+    auto backend = make_cpu_backend({1, true});
+    Model m(f, *backend, 8, Numerics::official);
+    ASSERT_EQ(m.config().layers[1].kind, LayerKind::csa);
+    ASSERT_EQ(indexer_key_type(Numerics::reference), GgmlType::F32);
+    auto bf16 = m.new_state(64);
+    ASSERT_EQ(bf16->layer(1).idx_keys.type, GgmlType::BF16);
+    KvState f32(m.config(), *backend, 64, m.n_ubatch(), false, GgmlType::F32);
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 40; ++i) tokens.push_back((i * 7 + 3) % 32);
+    const size_t nv = size_t(m.config().n_vocab);
+    std::vector<float> a(tokens.size() * nv), b(tokens.size() * nv);
+    m.eval(*bf16, tokens, LogitsMode::all, a.data());
+    m.eval(f32, tokens, LogitsMode::all, b.data());
+    EXPECT_EQ(a, b);
+    const std::string snap = bf16->snapshot();
+    EXPECT_EQ(snap, f32.snapshot());
+
+    auto resumed = m.new_state(64);
+    resumed->restore(f32.snapshot());
+    f32.restore(snap);
+    const std::vector<int32_t> more = {5, 17, 2, 30};
+    std::vector<float> c(more.size() * nv), d(more.size() * nv);
+    m.eval(*resumed, more, LogitsMode::all, c.data());
+    m.eval(f32, more, LogitsMode::all, d.data());
+    EXPECT_EQ(c, d);
 }
 
 }  // namespace

@@ -73,6 +73,14 @@ class Store {
         set(b, v.data(), v.size() * 4);
         return b;
     }
+    // BF16 tensors of v rounded to nearest even (the indexer keys of the official numerics).
+    Both bf16_values(const std::vector<float> & v, int64_t ne0, int64_t ne1 = 1) {
+        Both b = make(GgmlType::BF16, ne0, ne1);
+        std::vector<uint16_t> h(v.size());
+        for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+        set(b, h.data(), h.size() * 2);
+        return b;
+    }
     Both ids(const std::vector<int32_t> & v, int64_t ne0, int64_t ne1 = 1) {
         Both b = make(GgmlType::I32, ne0, ne1);
         set(b, v.data(), v.size() * 4);
@@ -162,6 +170,14 @@ std::vector<float> read_gpu(const Tensor & t) {
     gpu().read(t, v.data(), v.size() * 4);
     return v;
 }
+// A BF16 tensor's values as f32, from either backend.
+std::vector<float> read_bf16(Backend & b, const Tensor & t) {
+    std::vector<uint16_t> h(size_t(t.n_elements()));
+    b.read(t, h.data(), h.size() * 2);
+    std::vector<float> v(h.size());
+    for (size_t i = 0; i < h.size(); ++i) v[i] = bf16_to_f32(h[i]);
+    return v;
+}
 std::vector<int32_t> read_gpu_ids(const Tensor & t) {
     std::vector<int32_t> v(size_t(t.n_elements()));
     gpu().read(t, v.data(), v.size() * 4);
@@ -202,9 +218,7 @@ constexpr double kTensorCoreTol = 4e-3;
 
 // For outputs that end in a rounding step (FP8, FP4): an input that differs in the last bit may round to the
 // neighbouring code, so count the elements off by more than float noise instead.
-void compare_rounded(const std::string & what, const Both & t, double max_fraction) {
-    const std::vector<float> got = read_gpu(t.g);
-    const float * ref = t.c.f32();
+void compare_rounded(const std::string & what, const std::vector<float> & got, const float * ref, double max_fraction) {
     double ss = 0;
     for (size_t i = 0; i < got.size(); ++i) ss += double(ref[i]) * ref[i];
     const double rms = std::sqrt(ss / double(std::max<size_t>(got.size(), 1)));
@@ -218,6 +232,9 @@ void compare_rounded(const std::string & what, const Both & t, double max_fracti
     std::printf("  %-58s %zu of %zu elements off by a rounding step\n", what.c_str(), off, got.size());
     EXPECT_EQ(bad, 0u) << what;
     EXPECT_LE(double(off), max_fraction * double(got.size())) << what;
+}
+void compare_rounded(const std::string & what, const Both & t, double max_fraction) {
+    compare_rounded(what, read_gpu(t.g), t.c.f32(), max_fraction);
 }
 
 std::string shape(const Tensor & t) {
@@ -676,6 +693,7 @@ struct CompCase {
     int64_t width, ratio;
     bool overlap;
     RowRounding rounding;
+    bool bf16_store = false;  // the official numerics' indexer keys: also checked against an F32 store on the CPU
 };
 
 // A stream of chunks through one compressor: state and stored rows compared after every chunk.
@@ -684,6 +702,7 @@ TEST(Ops, CompressorUpdate) {
          {CompCase{"csa kv (R 4, overlap)", 512, 4, true, RowRounding::none},
           CompCase{"csa kv fp8", 512, 4, true, RowRounding::fp8},
           CompCase{"indexer keys (R 4, overlap, hadamard fp4)", 128, 4, true, RowRounding::hadamard_fp4},
+          CompCase{"indexer keys in bf16", 128, 4, true, RowRounding::hadamard_fp4, true},
           CompCase{"hca kv (R 128) fp8", 512, 128, false, RowRounding::fp8},
           CompCase{"small (R 8, overlap)", 32, 8, true, RowRounding::none}}) {
         Store s;
@@ -691,7 +710,13 @@ TEST(Ops, CompressorUpdate) {
         const Both skv = s.values(std::vector<float>(size_t(c * R * wide), 0.0f), wide, c * R);
         const Both ssc =
             s.values(std::vector<float>(size_t(c * R * wide), -std::numeric_limits<float>::infinity()), wide, c * R);
-        const Both store = s.values(std::vector<float>(size_t(cap * cc.width), 0.0f), cc.width, cap);
+        const std::vector<float> zeros(size_t(cap * cc.width), 0.0f);
+        const Both store = cc.bf16_store ? s.bf16_values(zeros, cc.width, cap) : s.values(zeros, cc.width, cap);
+        // The BF16 case's twin on the CPU: the same chunks into a second state and an F32 store.
+        const Both skv32 = s.values(std::vector<float>(size_t(c * R * wide), 0.0f), wide, c * R);
+        const Both ssc32 =
+            s.values(std::vector<float>(size_t(c * R * wide), -std::numeric_limits<float>::infinity()), wide, c * R);
+        const Both store32 = s.values(zeros, cc.width, cap);
         const Both ape = s.weight(GgmlType::F16, wide, R);
         std::vector<float> nv = randn(size_t(cc.width), 0.1f);
         for (float & v : nv) v += 1.0f;
@@ -716,15 +741,24 @@ TEST(Ops, CompressorUpdate) {
             const Both score = s.values(randn(size_t(n * wide), 2.0f), wide, n);
             gpu().compressor_update(kv.g, score.g, ape.g, skv.g, ssc.g, positions.g, R, cc.overlap, fg, store.g);
             cpu().compressor_update(kv.c, score.c, ape.c, skv.c, ssc.c, positions.c, R, cc.overlap, fc, store.c);
+            if (cc.bf16_store)
+                cpu().compressor_update(kv.c, score.c, ape.c, skv32.c, ssc32.c, positions.c, R, cc.overlap, fc,
+                                        store32.c);
             pos += n;
             const std::string tag = std::string(" ") + cc.name + " after chunk " + std::to_string(step++) + " (pos " +
                                     std::to_string(pos) + ")";
             compare("compressor state kv" + tag, skv, 0.0);
             compare("compressor state score" + tag, ssc, 0.0);
-            if (cc.rounding == RowRounding::none)
+            if (cc.bf16_store) {
+                // FP4-rounded rows are exact in BF16: the CPU's BF16 store widens to its F32 store bit for bit.
+                const std::vector<float> c16 = read_bf16(cpu(), store.c), g16 = read_bf16(gpu(), store.g);
+                EXPECT_EQ(c16, std::vector<float>(store32.c.f32(), store32.c.f32() + c16.size())) << tag;
+                compare_rounded("compressor stored rows" + tag, g16, c16.data(), 0.01);
+            } else if (cc.rounding == RowRounding::none) {
                 compare("compressor stored rows" + tag, store, 1e-5);
-            else
+            } else {
                 compare_rounded("compressor stored rows" + tag, store, 0.01);
+            }
         }
     }
 }
@@ -757,11 +791,13 @@ TEST(Ops, IndexerSelect) {
     // slices of about 8192 rows whose candidates a second block selects from), with random keys, keys equal in pairs
     // and all-equal keys (radix select). One token sees 262500 rows (1M context: 32 slices of 8204 rows, 16384
     // candidates); nine tokens see 16500 to 17500 rows each, too many tokens to split (one block a token, the coarse
-    // bins with the scores read from L2, as in a prefill chunk past 64K).
+    // bins with the scores read from L2, as in a prefill chunk past 64K). Random decode and prefill keys stored as
+    // BF16 (the official numerics' state) close the list.
     static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
-    for (int c = 0; c < 14; ++c) {
+    for (int c = 0; c < 16; ++c) {
         const bool f32 = c >= 8 && c < 12;  // the decode cases again, without tensor cores
-        const int shape = f32 ? std::array{0, 1, 4, 5}[size_t(c - 8)] : c < 8 ? c : c - 4;
+        const bool bf16 = c >= 14;          // random decode and prefill keys stored as BF16 (official numerics)
+        const int shape = bf16 ? (c == 14 ? 0 : 2) : f32 ? std::array{0, 1, 4, 5}[size_t(c - 8)] : c < 8 ? c : c - 4;
         const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3 || shape == 7;
         const bool long_rows = shape == 4 || shape == 6 || shape == 7, pairs = shape == 5 || shape == 6;
         Store s;
@@ -780,11 +816,14 @@ TEST(Ops, IndexerSelect) {
         std::vector<float> keys = randn(size_t(cap * d));
         for (std::vector<float> * v : {&q, &keys})
             for (float & x : *v) x = round_f16(x);
+        if (bf16)  // BF16 values of this range are f16 values too
+            for (float & x : keys) x = round_bf16(x);
         if (ties)
             for (int64_t r = 1; r < cap; ++r) std::copy_n(keys.begin(), d, keys.begin() + r * d);
         if (pairs)
             for (int64_t r = 1; r < cap; r += 2) std::copy_n(keys.begin() + (r - 1) * d, d, keys.begin() + r * d);
-        const Both bq = s.values(q, d, H, 1, n), bw = s.values(w, H, n), bk = s.values(keys, d, cap);
+        const Both bq = s.values(q, d, H, 1, n), bw = s.values(w, H, n);
+        const Both bk = bf16 ? s.bf16_values(keys, d, cap) : s.values(keys, d, cap);
         const Both bp = s.ids(pos, n);
         const Both sel = s.out(GgmlType::I32, K, n);
         const float key_scale = 1.0f / std::sqrt(float(d) * float(H));
@@ -843,8 +882,8 @@ TEST(Ops, IndexerSelect) {
                         << "token " << t << ": the tie of rows " << r << " and " << r + 1 << " went to the higher";
                 }
         }
-        std::printf("  indexer_select %s%s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
-                    f32 ? "f32, " : "",
+        std::printf("  indexer_select %s%s%s%s: %ld of %ld selections differ from the CPU's (near ties)\n",
+                    f32 ? "f32, " : "", bf16 ? "bf16 keys, " : "",
                     prefill      ? "prefill, "
                     : long_rows  ? "long rows, "
                     : shape == 8 ? "1M context, "

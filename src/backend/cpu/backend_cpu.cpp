@@ -5,6 +5,7 @@
 #include "format/quant.h"
 #include "util/aligned.h"
 #include "util/error.h"
+#include "util/half.h"
 #include "util/thread_pool.h"
 
 #include <algorithm>
@@ -322,6 +323,10 @@ class CpuBackend final : public Backend {
         const int64_t n = kv.rows();
         const int64_t open_row0 = overlap ? ratio : 0;  // first state row of the open block
         std::vector<float> ape_row(static_cast<size_t>(wide), 0.0f);
+        // A BF16 store (indexer keys under the official numerics) takes the finished row rounded from f32.
+        DSV4_CHECK(store.type == GgmlType::F32 || store.type == GgmlType::BF16,
+                   "compressor_update: the store must be F32 or BF16");
+        std::vector<float> finished(store.type == GgmlType::BF16 ? size_t(width) : 0);
         float * skv = state_kv.f32();
         float * ssc = state_score.f32();
         for (int64_t t = 0; t < n; ++t) {
@@ -337,7 +342,7 @@ class CpuBackend final : public Backend {
 
             // Block complete: softmax over its candidates per channel, in f32.
             const int64_t block = pos / ratio;
-            float * dst = store.f32() + block * width;
+            float * dst = store.type == GgmlType::BF16 ? finished.data() : store.f32() + block * width;
             pool_.parallel_for(size_t(width), 64, [&](size_t cb, size_t ce, int) {
                 for (size_t c = cb; c < ce; ++c) {
                     float m = -std::numeric_limits<float>::infinity();
@@ -365,6 +370,10 @@ class CpuBackend final : public Backend {
             rope_heads(dst, 1, width, finish.rope, block * ratio, false);
             if (finish.rounding == RowRounding::fp8) fp8_row(dst, finish.fp8_dims);
             if (finish.rounding == RowRounding::hadamard_fp4) hadamard_fp4_row(dst, width);
+            if (store.type == GgmlType::BF16) {
+                uint16_t * out = static_cast<uint16_t *>(store.data) + block * width;
+                for (int64_t c = 0; c < width; ++c) out[c] = f32_to_bf16(dst[c]);
+            }
             if (overlap) {
                 // The completed block becomes the previous block of the next one.
                 std::memcpy(skv, skv + ratio * wide, size_t(ratio * wide) * sizeof(float));
@@ -381,8 +390,10 @@ class CpuBackend final : public Backend {
         const int64_t dim = q.ne[0];
         const int64_t n = q.rows() / heads;
         const int64_t top_k = selected.ne[0];
+        DSV4_CHECK(keys.type == GgmlType::F32 || keys.type == GgmlType::BF16,
+                   "indexer_select: keys must be F32 or BF16");
         pool_.parallel_for(size_t(n), 1, [&](size_t b, size_t e, int) {
-            std::vector<float> scores;
+            std::vector<float> scores, key_row(keys.type == GgmlType::BF16 ? size_t(dim) : 0);
             std::vector<int32_t> order;
             for (size_t t = b; t < e; ++t) {
                 const int64_t visible = (int64_t(positions.i32()[t]) + 1) / ratio;
@@ -396,7 +407,13 @@ class CpuBackend final : public Backend {
                 const float * wt = w.f32() + int64_t(t) * heads;
                 scores.resize(size_t(visible));
                 for (int64_t r = 0; r < visible; ++r) {
-                    const float * k = keys.f32() + r * dim;
+                    const float * k = key_row.data();
+                    if (keys.type == GgmlType::BF16) {
+                        const uint16_t * kb = static_cast<const uint16_t *>(keys.data) + r * dim;
+                        for (int64_t c = 0; c < dim; ++c) key_row[size_t(c)] = bf16_to_f32(kb[c]);
+                    } else {
+                        k = keys.f32() + r * dim;
+                    }
                     float s = 0;
                     for (int64_t h = 0; h < heads; ++h) s += wt[h] * std::max(0.0f, dot_f32(qt + h * dim, k, dim));
                     scores[size_t(r)] = s * key_scale;

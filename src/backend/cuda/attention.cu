@@ -4,6 +4,7 @@
 // a decode step's launches never change.
 #include "backend/cuda/common.cuh"
 
+#include <cuda_bf16.h>
 #include <mma.h>
 
 #include <algorithm>
@@ -98,8 +99,13 @@ __global__ void compressor_rows_kernel(const CompressorArgs a) {
     __syncthreads();
     if (a.rounding == 1) fp8_row_shared(row, a.fp8_dims);
     if (a.rounding == 2) hadamard_fp4_shared(row, width);
-    float * dst = a.store + b * width;
-    for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = row[i];
+    if (a.store_bf16) {  // exact for the official numerics' FP4-rounded indexer keys (indexer_key_type)
+        __nv_bfloat16 * dst = static_cast<__nv_bfloat16 *>(a.store) + b * width;
+        for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = __float2bfloat16_rn(row[i]);
+    } else {
+        float * dst = static_cast<float *>(a.store) + b * width;
+        for (int64_t i = threadIdx.x; i < width; i += blockDim.x) dst[i] = row[i];
+    }
 }
 
 // Advances the frontier: afterwards the open rows hold the open block's tokens (empty slots (0, -inf)) and, with
@@ -133,6 +139,24 @@ __global__ void compressor_state_kernel(const CompressorArgs a) {
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kIdxKeysPerBlock = 32;  // 8 warps × 4 keys
 
+// Four key values from element i on (a multiple of 4) of the stored keys, f32 or BF16 (half the bytes read). The
+// tensor-core kernels take the type as a template argument (a runtime choice made the decode kernel's unrolled key
+// loads hold both paths' registers: 128 → 162); the CUDA-core kernels, which score the reference numerics' f32
+// keys, choose at run time.
+template <bool BF16>
+__device__ __forceinline__ float4 load_key4(const void * keys, int64_t i) {
+    if constexpr (BF16) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(keys) + i));
+        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                           __uint_as_float(v.y & 0xffff0000u));
+    } else {
+        return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(keys) + i));
+    }
+}
+__device__ __forceinline__ float4 load_key4(const IndexerArgs & a, int64_t i) {
+    return a.keys_bf16 ? load_key4<true>(a.keys, i) : load_key4<false>(a.keys, i);
+}
+
 // The compressed rows token t sees: those its position has completed (one per ratio positions), as stored.
 __device__ __forceinline__ int64_t indexer_visible(const IndexerArgs & a, int64_t t) {
     return min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
@@ -163,7 +187,7 @@ __global__ void indexer_scores_kernel(const IndexerArgs a) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 if (j >= nk) break;
-                const float4 kv = __ldg(reinterpret_cast<const float4 *>(a.keys + (kb + j) * d + d4));
+                const float4 kv = load_key4(a, (kb + j) * d + d4);
                 dot[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
             }
         }
@@ -216,7 +240,7 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     const int h0 = ((lane >> 4) & 1) * 32 + ((lane >> 3) & 1) * 16 + ((lane >> 2) & 1) * 8 + ((lane >> 1) & 1) * 4 +
                    (lane & 1) * 2;
     for (int64_t key = int64_t(blockIdx.x) * 8 + warp; key < visible; key += int64_t(gridDim.x) * 8) {
-        const float4 kv = __ldg(reinterpret_cast<const float4 *>(a.keys + key * kIdxFastDim) + lane);
+        const float4 kv = load_key4(a, key * kIdxFastDim + 4 * lane);
         float v[kIdxFastHeads];
 #pragma unroll
         for (int h = 0; h < kIdxFastHeads; ++h) {
@@ -256,7 +280,7 @@ __device__ __forceinline__ void store_f16x4(half * dst, float4 v) {
 }
 
 // A thread pair per (token, key) of the tile: kIdxTcTokens · 128 threads.
-template <int kIdxTcTokens>
+template <int kIdxTcTokens, bool BF16>
 __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(const IndexerArgs a) {
     constexpr int kIdxTcRows = kIdxTcTokens * kIdxFastHeads;
     using namespace nvcuda;
@@ -290,9 +314,8 @@ __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(c
     for (int64_t key0 = 0; key0 < keys; key0 += kIdxTcKeys) {
         for (int i = threadIdx.x; i < kIdxTcKeys * kIdxFastDim / 4; i += blockDim.x) {
             const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
-            store_f16x4(ks + r * kIdxTcLd + c,
-                        key0 + r < keys ? __ldg(reinterpret_cast<const float4 *>(a.keys + (key0 + r) * kIdxFastDim + c))
-                                        : make_float4(0, 0, 0, 0));
+            store_f16x4(ks + r * kIdxTcLd + c, key0 + r < keys ? load_key4<BF16>(a.keys, (key0 + r) * kIdxFastDim + c)
+                                                               : make_float4(0, 0, 0, 0));
         }
         __syncthreads();
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kIdxTcKeys / 16];
@@ -335,6 +358,7 @@ __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(c
 // H200 traces of a 4-layer q2 file (session 19): 14.9 -> 5.2 µs a CSA layer at 32K, 4.4 -> 4.1 at 2K.
 constexpr int kIdxDecWarps = 4, kIdxDecKeys = 16, kIdxDecLdS = kIdxDecKeys + 4;
 
+template <bool BF16>
 __global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_kernel(const IndexerArgs a) {
     using namespace nvcuda;
     pdl_begin();
@@ -354,8 +378,8 @@ __global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_ke
     auto load_keys = [&](int64_t k0) {
 #pragma unroll
         for (int r = 0; r < kIdxDecKeys; ++r)
-            kv[r] = k0 + r < visible ? __ldg(reinterpret_cast<const float4 *>(a.keys + (k0 + r) * kIdxFastDim) + lane)
-                                     : make_float4(0, 0, 0, 0);
+            kv[r] =
+                k0 + r < visible ? load_key4<BF16>(a.keys, (k0 + r) * kIdxFastDim + 4 * lane) : make_float4(0, 0, 0, 0);
     };
     // Every load of the queries and of the first keys is issued before any is used: one round trip, not one per
     // staging step (a loop that stored each value as it arrived took ~16 round trips, 6.9 µs at 2K).
@@ -1264,19 +1288,30 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
     const size_t smem = size_t(a.heads * (a.dim + 4) + a.heads) * sizeof(float);
     const dim3 grid(blocks_for(a.capacity, kIdxKeysPerBlock), unsigned(a.n));
     const bool h64 = a.heads == kIdxFastHeads && a.dim == kIdxFastDim;
+    const auto tc_prefill = [&](auto tokens) {
+        constexpr int kTok = decltype(tokens)::value;
+        const dim3 tc_grid(unsigned((a.n + kTok - 1) / kTok));
+        if (a.keys_bf16)
+            launch(indexer_scores_tc_kernel<kTok, true>, tc_grid, dim3(kTok * 128), idx_tc_smem<kTok>(), s, a);
+        else
+            launch(indexer_scores_tc_kernel<kTok, false>, tc_grid, dim3(kTok * 128), idx_tc_smem<kTok>(), s, a);
+    };
     if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens) {
         if (idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored; not on sm_120/121
-            launch(indexer_scores_tc_kernel<4>, dim3(unsigned((a.n + 3) / 4)), dim3(4 * 128), idx_tc_smem<4>(), s, a);
+            tc_prefill(std::integral_constant<int, 4>());
         else
-            launch(indexer_scores_tc_kernel<2>, dim3(unsigned((a.n + 1) / 2)), dim3(2 * 128), idx_tc_smem<2>(), s, a);
-    } else if (a.capacity > a.top_k && h64 && a.tensor_cores)  // up to four blocks a multiprocessor: at long contexts
-        // their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M; four: 9.2
-        // and 39.5, session 22's traces)
-        launch(indexer_scores_tc_decode_kernel,
-               dim3(std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(4 * device_sms())),
-                    unsigned(a.n)),
-               dim3(kIdxDecWarps * 32), 0, s, a);
-    else if (a.capacity > a.top_k && h64)
+            tc_prefill(std::integral_constant<int, 2>());
+    } else if (a.capacity > a.top_k && h64 && a.tensor_cores) {  // up to four blocks a multiprocessor: at long
+        // contexts their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M;
+        // four: 9.2 and 39.5, session 22's traces)
+        const dim3 dec_grid(
+            std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(4 * device_sms())),
+            unsigned(a.n));
+        if (a.keys_bf16)
+            launch(indexer_scores_tc_decode_kernel<true>, dec_grid, dim3(kIdxDecWarps * 32), 0, s, a);
+        else
+            launch(indexer_scores_tc_decode_kernel<false>, dec_grid, dim3(kIdxDecWarps * 32), 0, s, a);
+    } else if (a.capacity > a.top_k && h64)
         launch(indexer_scores_h64_kernel,
                dim3(std::min<unsigned>(blocks_for(a.capacity, 8), unsigned(2 * device_sms())), unsigned(a.n)),
                dim3(256), 0, s, a);

@@ -464,7 +464,10 @@ class CudaBackend final : public Backend {
         a.n_rot = finish.rope.n_rot;
         a.rounding = finish.rounding == RowRounding::fp8 ? 1 : finish.rounding == RowRounding::hadamard_fp4 ? 2 : 0;
         a.fp8_dims = finish.fp8_dims;
-        a.store = store.f32();
+        DSV4_CHECK(store.type == GgmlType::F32 || store.type == GgmlType::BF16,
+                   "cuda compressor_update: the store must be F32 or BF16");
+        a.store = store.data;
+        a.store_bf16 = store.type == GgmlType::BF16;
         a.capacity = store.rows();
         const int64_t width = overlap ? a.wide / 2 : a.wide;
         DSV4_CHECK(a.rounding != 2 || (width & (width - 1)) == 0,
@@ -485,6 +488,9 @@ class CudaBackend final : public Backend {
         a.key_scale = key_scale;
         a.tensor_cores = tensor_cores_;
         DSV4_CHECK(a.dim % 4 == 0, "cuda indexer_select: key width {} is not a multiple of 4", a.dim);
+        DSV4_CHECK(keys.type == GgmlType::F32 || keys.type == GgmlType::BF16,
+                   "cuda indexer_select: keys must be F32 or BF16");
+        a.keys_bf16 = keys.type == GgmlType::BF16;
         const int64_t n = q.rows() / a.heads;
         const int64_t group = indexer_group(n, a.capacity);
         float * scores = static_cast<float *>(scratch(indexer_op_scratch(n, a.capacity, a.top_k)));
@@ -492,7 +498,7 @@ class CudaBackend final : public Backend {
             a.n = std::min(group, n - t0);
             a.q = q.f32() + t0 * a.heads * a.dim;
             a.w = w.f32() + t0 * a.heads;
-            a.keys = keys.f32();
+            a.keys = keys.data;
             a.positions = positions.i32() + t0;
             a.selected = selected.i32() + t0 * a.top_k;
             a.scores = scores;

@@ -271,7 +271,8 @@ struct CompressorArgs {
     int n_rot = 0;
     int rounding = 0;  // 0 none, 1 fp8, 2 hadamard + fp4
     int64_t fp8_dims = 0;
-    float * store = nullptr;  // [capacity, width]
+    void * store = nullptr;  // [capacity, width], f32 or (store_bf16) BF16
+    bool store_bf16 = false;
     int64_t capacity = 0;
 };
 void compressor_update(const CompressorArgs & a, cudaStream_t s);
@@ -279,7 +280,8 @@ void compressor_update(const CompressorArgs & a, cudaStream_t s);
 struct IndexerArgs {
     const float * q = nullptr;     // [n, H, d]
     const float * w = nullptr;     // [n, H]
-    const float * keys = nullptr;  // [capacity, d]
+    const void * keys = nullptr;   // [capacity, d], f32 or (keys_bf16) BF16
+    bool keys_bf16 = false;
     const int32_t * positions = nullptr;
     int64_t n = 0, heads = 0, dim = 0, capacity = 0, ratio = 0, top_k = 0;
     float key_scale = 0;
