@@ -791,13 +791,17 @@ TEST(Ops, IndexerSelect) {
     // slices of about 8192 rows whose candidates a second block selects from), with random keys, keys equal in pairs
     // and all-equal keys (radix select). One token sees 262500 rows (1M context: 32 slices of 8204 rows, 16384
     // candidates); nine tokens see 16500 to 17500 rows each, too many tokens to split (one block a token, the coarse
-    // bins with the scores read from L2, as in a prefill chunk past 64K). Random decode and prefill keys stored as
-    // BF16 (the official numerics' state) close the list.
+    // bins with the scores read from L2, as in a prefill chunk past 64K). Random decode, prefill and 1M-context keys
+    // stored as BF16 (the official numerics' state, scored by the bf16 tiles: queries are bf16 values there, as the
+    // official numerics' FP4-rounded ones are) close the list.
     static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
-    for (int c = 0; c < 16; ++c) {
+    for (int c = 0; c < 17; ++c) {
         const bool f32 = c >= 8 && c < 12;  // the decode cases again, without tensor cores
-        const bool bf16 = c >= 14;          // random decode and prefill keys stored as BF16 (official numerics)
-        const int shape = bf16 ? (c == 14 ? 0 : 2) : f32 ? std::array{0, 1, 4, 5}[size_t(c - 8)] : c < 8 ? c : c - 4;
+        const bool bf16 = c >= 14;          // random keys stored as BF16 (official numerics)
+        const int shape = bf16    ? std::array{0, 2, 8}[size_t(c - 14)]
+                          : f32   ? std::array{0, 1, 4, 5}[size_t(c - 8)]
+                          : c < 8 ? c
+                                  : c - 4;
         const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3 || shape == 7;
         const bool long_rows = shape == 4 || shape == 6 || shape == 7, pairs = shape == 5 || shape == 6;
         Store s;
@@ -816,8 +820,9 @@ TEST(Ops, IndexerSelect) {
         std::vector<float> keys = randn(size_t(cap * d));
         for (std::vector<float> * v : {&q, &keys})
             for (float & x : *v) x = round_f16(x);
-        if (bf16)  // BF16 values of this range are f16 values too
-            for (float & x : keys) x = round_bf16(x);
+        if (bf16)
+            for (std::vector<float> * v : {&q, &keys})
+                for (float & x : *v) x = round_bf16(x);
         if (ties)
             for (int64_t r = 1; r < cap; ++r) std::copy_n(keys.begin(), d, keys.begin() + r * d);
         if (pairs)

@@ -139,22 +139,17 @@ __global__ void compressor_state_kernel(const CompressorArgs a) {
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kIdxKeysPerBlock = 32;  // 8 warps × 4 keys
 
-// Four key values from element i on (a multiple of 4) of the stored keys, f32 or BF16 (half the bytes read). The
-// tensor-core kernels take the type as a template argument (a runtime choice made the decode kernel's unrolled key
-// loads hold both paths' registers: 128 → 162); the CUDA-core kernels, which score the reference numerics' f32
-// keys, choose at run time.
-template <bool BF16>
-__device__ __forceinline__ float4 load_key4(const void * keys, int64_t i) {
-    if constexpr (BF16) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(keys) + i));
-        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                           __uint_as_float(v.y & 0xffff0000u));
-    } else {
-        return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(keys) + i));
-    }
+// Four key values from element i on (a multiple of 4) of the stored keys. The WMMA kernels below score f32 keys
+// only (BF16 ones go to the bf16 tiles); the CUDA-core kernels take either (BF16 reaches them with the tensor
+// cores off).
+__device__ __forceinline__ float4 load_key4_f32(const IndexerArgs & a, int64_t i) {
+    return __ldg(reinterpret_cast<const float4 *>(static_cast<const float *>(a.keys) + i));
 }
 __device__ __forceinline__ float4 load_key4(const IndexerArgs & a, int64_t i) {
-    return a.keys_bf16 ? load_key4<true>(a.keys, i) : load_key4<false>(a.keys, i);
+    if (!a.keys_bf16) return load_key4_f32(a, i);
+    const uint2 v = __ldg(reinterpret_cast<const uint2 *>(static_cast<const uint16_t *>(a.keys) + i));
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xffff0000u));
 }
 
 // The compressed rows token t sees: those its position has completed (one per ratio positions), as stored.
@@ -213,8 +208,8 @@ constexpr int kIdxFastHeads = 64, kIdxFastDim = 128;
 
 // One butterfly step over the first N values: lanes with bit o set keep the upper half, the others the lower, each
 // adding its partner's copy of the half it keeps. A template so that every index is a constant (registers).
-template <int N>
-__device__ __forceinline__ void butterfly_half(float (&v)[kIdxFastHeads], int lane, int o) {
+template <int N, int S>
+__device__ __forceinline__ void butterfly_half(float (&v)[S], int lane, int o) {
     const bool upper = lane & o;
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
@@ -257,6 +252,7 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
     }
 }
 
+// F32 keys (the reference numerics with the tensor cores on; BF16 keys take the bf16 tiles further down).
 // Prefill chunks on the tensor cores: a block takes kIdxTcTokens tokens' 64 heads (64 query rows each, f16, resident
 // in shared memory) and walks the visible keys in tiles of 64 rows converted to f16; 4 warps a token, each 16 query
 // rows × the tile's 64 keys (WMMA, f32 accumulators), staged in shared memory for relu, the head weights and the sum
@@ -264,8 +260,8 @@ __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerAr
 // the CUDA cores (12 ms for an 8K chunk over 2K rows); these tiles do them in about a tenth. Four tokens a block
 // load and convert each key tile once for twice the queries of two (157 KB of shared memory, one block a
 // multiprocessor: the 4-layer file's 256K prefill 8.35 → 8.15 s, session 23); two where a block cannot hold that
-// (sm_120/121). Numerics: queries and keys rounded to f16 (the official numerics' FP4-rounded values are exact
-// there), products and sums in f32; the sums' order does not depend on the tokens a block takes.
+// (sm_120/121). Numerics: queries and keys rounded to f16, products and sums in f32; the sums' order does not
+// depend on the tokens a block takes.
 constexpr int kIdxTcKeys = 64;
 constexpr int kIdxTcLd = kIdxFastDim + 8, kIdxTcLdS = kIdxTcKeys + 4;  // padded rows (halves, floats)
 template <int TOK>
@@ -280,7 +276,7 @@ __device__ __forceinline__ void store_f16x4(half * dst, float4 v) {
 }
 
 // A thread pair per (token, key) of the tile: kIdxTcTokens · 128 threads.
-template <int kIdxTcTokens, bool BF16>
+template <int kIdxTcTokens>
 __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(const IndexerArgs a) {
     constexpr int kIdxTcRows = kIdxTcTokens * kIdxFastHeads;
     using namespace nvcuda;
@@ -314,8 +310,8 @@ __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(c
     for (int64_t key0 = 0; key0 < keys; key0 += kIdxTcKeys) {
         for (int i = threadIdx.x; i < kIdxTcKeys * kIdxFastDim / 4; i += blockDim.x) {
             const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
-            store_f16x4(ks + r * kIdxTcLd + c, key0 + r < keys ? load_key4<BF16>(a.keys, (key0 + r) * kIdxFastDim + c)
-                                                               : make_float4(0, 0, 0, 0));
+            store_f16x4(ks + r * kIdxTcLd + c,
+                        key0 + r < keys ? load_key4_f32(a, (key0 + r) * kIdxFastDim + c) : make_float4(0, 0, 0, 0));
         }
         __syncthreads();
         wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kIdxTcKeys / 16];
@@ -354,11 +350,10 @@ __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(c
 // block), and each warp scores 16 keys a step (four 16 × 16 tiles over the 128 dimensions), so 16 keys' 128 × 64
 // products cost 32 tensor-core instructions instead of the h64 kernel's 32 KB of shared-memory reads per key (that
 // kernel is bound by them). The keys of a warp's next step load while it reduces the current one. Same numerics as
-// the prefill tiles above (exact products for the official numerics' FP4 values), so tensor_cores gates it too.
+// the prefill tiles above, so tensor_cores gates it too.
 // H200 traces of a 4-layer q2 file (session 19): 14.9 -> 5.2 µs a CSA layer at 32K, 4.4 -> 4.1 at 2K.
 constexpr int kIdxDecWarps = 4, kIdxDecKeys = 16, kIdxDecLdS = kIdxDecKeys + 4;
 
-template <bool BF16>
 __global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_kernel(const IndexerArgs a) {
     using namespace nvcuda;
     pdl_begin();
@@ -378,8 +373,7 @@ __global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_ke
     auto load_keys = [&](int64_t k0) {
 #pragma unroll
         for (int r = 0; r < kIdxDecKeys; ++r)
-            kv[r] =
-                k0 + r < visible ? load_key4<BF16>(a.keys, (k0 + r) * kIdxFastDim + 4 * lane) : make_float4(0, 0, 0, 0);
+            kv[r] = k0 + r < visible ? load_key4_f32(a, (k0 + r) * kIdxFastDim + 4 * lane) : make_float4(0, 0, 0, 0);
     };
     // Every load of the queries and of the first keys is issued before any is used: one round trip, not one per
     // staging step (a loop that stored each value as it arrived took ~16 round trips, 6.9 µs at 2K).
@@ -430,6 +424,129 @@ __global__ void __launch_bounds__(kIdxDecWarps * 32) indexer_scores_tc_decode_ke
         sum += __shfl_xor_sync(kFull, sum, kIdxDecKeys);
         if (lane < kIdxDecKeys && key0 + key < visible) a.scores[t * a.capacity + key0 + key] = sum * a.key_scale;
         __syncwarp();  // the sums are read before the next keys land
+    }
+}
+
+// BF16 keys (the official numerics' state) on mma.sync tiles, prefill chunks and decode steps alike. The keys are
+// copied into shared memory as stored (cp.async, two stages: the next tile lands while this one is multiplied) and
+// the queries rounded to bf16 once a block, both exact for the official numerics' FP4-rounded values, so the f32
+// products and sums are the WMMA kernels' with a different order. A warp multiplies its token's 64 heads by 32 keys
+// (4 × 4 tiles of m16n8k16, operands by ldmatrix from rows padded to 272 bytes) and reduces in registers: each lane
+// weighs and relu's its 8 heads of 8 keys, and a transposing butterfly over the lanes' head groups (7 shuffles)
+// leaves every lane one (key, sum): no staging of products in shared memory and no barrier between tiles but the
+// stage's. Blocks take TOK tokens and every gridDim.y-th tile of WPT · 32 keys: a prefill chunk walks all its
+// visible keys in each block (one slice, the latest tokens' blocks first: they have the most keys), a decode step
+// spreads a token's keys over slices.
+constexpr int kIdxMmaLd = kIdxFastDim + 8;  // bf16 a shared row: an ldmatrix's 8 rows start in distinct bank groups
+
+template <int TOK, int WPT>
+constexpr size_t idx_mma_smem() {
+    return size_t(TOK * kIdxFastHeads + 2 * WPT * 32) * kIdxMmaLd * sizeof(__nv_bfloat16);
+}
+
+template <int TOK, int WPT>
+__global__ void __launch_bounds__(TOK * WPT * 32, 2) indexer_scores_mma_kernel(const IndexerArgs a) {
+    constexpr int kThreads = TOK * WPT * 32, kTileKeys = WPT * 32;
+    constexpr int kChunks = kIdxFastDim * 2 / 16;  // 16-byte copies a key row
+    static_assert(kTileKeys * kChunks % kThreads == 0, "a tile's copies spread evenly over the threads");
+    pdl_begin();
+    extern __shared__ __align__(128) uint8_t smem_idx_mma[];
+    __nv_bfloat16 * qs = reinterpret_cast<__nv_bfloat16 *>(smem_idx_mma);  // [token · 64 + head][kIdxMmaLd]
+    __nv_bfloat16 * ks = qs + TOK * kIdxFastHeads * kIdxMmaLd;             // [stage][key][kIdxMmaLd]
+    __shared__ int64_t scored[TOK];  // visible rows of a token that has more than top_k, else 0
+    const int64_t t0 = int64_t(gridDim.x - 1 - blockIdx.x) * TOK;
+    if (threadIdx.x < TOK) {
+        const int64_t t = t0 + threadIdx.x;
+        const int64_t visible = t < a.n ? indexer_visible(a, t) : 0;
+        scored[threadIdx.x] = visible > a.top_k ? visible : 0;
+    }
+    __syncthreads();
+    int64_t keys = 0;
+#pragma unroll
+    for (int i = 0; i < TOK; ++i) keys = max(keys, scored[i]);
+    const int64_t tiles = (keys + kTileKeys - 1) / kTileKeys;
+    if (int64_t(blockIdx.y) >= tiles) return;  // block-uniform
+    const __nv_bfloat16 * key_rows = static_cast<const __nv_bfloat16 *>(a.keys);
+    const auto load_tile = [&](int64_t tile, int stage) {
+        __nv_bfloat16 * dst = ks + stage * kTileKeys * kIdxMmaLd;
+        const int64_t k0 = tile * kTileKeys;
+#pragma unroll
+        for (int j = 0; j < kTileKeys * kChunks / kThreads; ++j) {
+            const int i = threadIdx.x + j * kThreads, r = i / kChunks, c = i % kChunks * 8;
+            cp_async16(dst + r * kIdxMmaLd + c, k0 + r < keys ? key_rows + (k0 + r) * kIdxFastDim + c : nullptr);
+        }
+        cp_async_commit();
+    };
+    load_tile(blockIdx.y, 0);
+    for (int i = threadIdx.x; i < TOK * kIdxFastHeads * kIdxFastDim / 4; i += kThreads) {
+        const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
+        const float4 v = t0 + r / kIdxFastHeads < a.n
+                             ? *reinterpret_cast<const float4 *>(a.q + (t0 * kIdxFastHeads + r) * kIdxFastDim + c)
+                             : make_float4(0, 0, 0, 0);
+        reinterpret_cast<__nv_bfloat162 *>(qs + r * kIdxMmaLd + c)[0] = __floats2bfloat162_rn(v.x, v.y);
+        reinterpret_cast<__nv_bfloat162 *>(qs + r * kIdxMmaLd + c)[1] = __floats2bfloat162_rn(v.z, v.w);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tok = warp / WPT, g = lane / 4;
+    const int64_t t = t0 + tok;
+    // The head weights of this lane's accumulator rows: heads 16m + g and 16m + g + 8 of head tile m.
+    float wh[8];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        wh[2 * m] = t < a.n ? a.w[t * kIdxFastHeads + 16 * m + g] : 0.0f;
+        wh[2 * m + 1] = t < a.n ? a.w[t * kIdxFastHeads + 16 * m + g + 8] : 0.0f;
+    }
+    // The (key tile, column) this lane's sum lands on after the butterfly: bits 4, 3 of the lane pick the key tile,
+    // bit 2 the column of the pair, bits 1, 0 the pair.
+    const int out_key = ((lane >> 4) & 1) * 16 + ((lane >> 3) & 1) * 8 + (lane & 3) * 2 + ((lane >> 2) & 1);
+    const __nv_bfloat16 * qt = qs + tok * kIdxFastHeads * kIdxMmaLd;
+    int stage = 0;
+    for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y, stage ^= 1) {
+        // The other stage was last read before the barrier that closed the previous tile.
+        const bool more = tile + gridDim.y < tiles;
+        if (more) {
+            load_tile(tile + gridDim.y, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int64_t k0 = tile * kTileKeys + (warp % WPT) * 32;  // this warp's first key
+        if (k0 < scored[tok]) {
+            const __nv_bfloat16 * kt = ks + (stage * kTileKeys + (warp % WPT) * 32) * kIdxMmaLd;
+            float acc[4][4][4] = {};  // [head tile][key tile of 8][fragment]
+#pragma unroll
+            for (int kk = 0; kk < kIdxFastDim; kk += 16) {
+                // Keys [key][dim] are the column-major B, queries [head][dim] the row-major A.
+                uint32_t b[2][4];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) ldmatrix_b2(b[j], kt + 16 * j * kIdxMmaLd + kk, kIdxMmaLd, lane);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    uint32_t af[4];
+                    ldmatrix_a(af, qt + 16 * m * kIdxMmaLd + kk, kIdxMmaLd, lane);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n)
+                        mma_16816<true>(acc[m][n], af, b[n / 2][2 * (n % 2)], b[n / 2][2 * (n % 2) + 1]);
+                }
+            }
+            // v[2n + c]: this lane's 8 heads of key 8n + 2 (lane % 4) + c, weighed.
+            float v[8];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int m = 0; m < 4; ++m)
+                        sum += wh[2 * m] * fmaxf(0.0f, acc[m][n][c]) + wh[2 * m + 1] * fmaxf(0.0f, acc[m][n][2 + c]);
+                    v[2 * n + c] = sum;
+                }
+            butterfly_half<8>(v, lane, 16);
+            butterfly_half<4>(v, lane, 8);
+            butterfly_half<2>(v, lane, 4);
+            if (k0 + out_key < scored[tok]) a.scores[t * a.capacity + k0 + out_key] = v[0] * a.key_scale;
+        }
+        __syncthreads();  // every warp has read this stage before the next tile's copies overwrite it
     }
 }
 
@@ -1290,27 +1407,42 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
     const bool h64 = a.heads == kIdxFastHeads && a.dim == kIdxFastDim;
     const auto tc_prefill = [&](auto tokens) {
         constexpr int kTok = decltype(tokens)::value;
-        const dim3 tc_grid(unsigned((a.n + kTok - 1) / kTok));
-        if (a.keys_bf16)
-            launch(indexer_scores_tc_kernel<kTok, true>, tc_grid, dim3(kTok * 128), idx_tc_smem<kTok>(), s, a);
-        else
-            launch(indexer_scores_tc_kernel<kTok, false>, tc_grid, dim3(kTok * 128), idx_tc_smem<kTok>(), s, a);
+        launch(indexer_scores_tc_kernel<kTok>, dim3(unsigned((a.n + kTok - 1) / kTok)), dim3(kTok * 128),
+               idx_tc_smem<kTok>(), s, a);
     };
-    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens) {
-        if (idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored; not on sm_120/121
-            tc_prefill(std::integral_constant<int, 4>());
+    // A prefill chunk's blocks walk every key tile; a decode step's tokens spread theirs over slices, two blocks a
+    // multiprocessor (as many as the shared memory holds).
+    const auto mma_scores = [&](auto tokens, auto warps_a_token) {
+        constexpr int kTok = decltype(tokens)::value, kWpt = decltype(warps_a_token)::value;
+        const unsigned slices =
+            kTok > 1
+                ? 1u
+                : std::max(1u, std::min<unsigned>(blocks_for(a.capacity, kWpt * 32), unsigned(2 * device_sms() / a.n)));
+        launch(indexer_scores_mma_kernel<kTok, kWpt>, dim3(unsigned((a.n + kTok - 1) / kTok), slices),
+               dim3(kTok * kWpt * 32), idx_mma_smem<kTok, kWpt>(), s, a);
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    if (a.capacity > a.top_k && h64 && a.tensor_cores && a.keys_bf16) {
+        if (a.n < kGemmMinTokens)
+            mma_scores(I1(), I4());
+        else if (idx_mma_smem<4, 2>() + 1024 <= device_smem_optin())  // + its static scored; not on sm_120/121
+            mma_scores(I4(), I2());
         else
-            tc_prefill(std::integral_constant<int, 2>());
+            mma_scores(I2(), I2());
+    } else if (a.capacity > a.top_k && h64 && a.tensor_cores && a.n >= kGemmMinTokens) {
+        if (idx_tc_smem<4>() + 2048 <= device_smem_optin())  // + its static ws and scored; not on sm_120/121
+            tc_prefill(I4());
+        else
+            tc_prefill(I2());
     } else if (a.capacity > a.top_k && h64 && a.tensor_cores) {  // up to four blocks a multiprocessor: at long
         // contexts their warps' key loads are what is in flight (two a multiprocessor: 12.5 µs at 128K, 67 at 1M;
         // four: 9.2 and 39.5, session 22's traces)
         const dim3 dec_grid(
             std::min<unsigned>(blocks_for(a.capacity, kIdxDecWarps * kIdxDecKeys), unsigned(4 * device_sms())),
             unsigned(a.n));
-        if (a.keys_bf16)
-            launch(indexer_scores_tc_decode_kernel<true>, dec_grid, dim3(kIdxDecWarps * 32), 0, s, a);
-        else
-            launch(indexer_scores_tc_decode_kernel<false>, dec_grid, dim3(kIdxDecWarps * 32), 0, s, a);
+        launch(indexer_scores_tc_decode_kernel, dec_grid, dim3(kIdxDecWarps * 32), 0, s, a);
     } else if (a.capacity > a.top_k && h64)
         launch(indexer_scores_h64_kernel,
                dim3(std::min<unsigned>(blocks_for(a.capacity, 8), unsigned(2 * device_sms())), unsigned(a.n)),

@@ -135,6 +135,42 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
 }
 
+// Four 8×8 matrices of 16-bit values from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void * p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+// mma.sync m16n8k16 operands of the 16 × 16 block at p of a row-major shared tile of 16-bit values, ld a row.
+// A (rows are M): matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+template <typename T>
+__device__ __forceinline__ void ldmatrix_a(uint32_t (&r)[4], const T * p, int ld, int lane) {
+    ldmatrix_x4(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+// B stored [n][k] (column-major K × N), two 8-column tiles: matrices (n 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7),
+// (8-15, 8-15), so r[0..1] is columns 0-7's operand and r[2..3] columns 8-15's.
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b2(uint32_t (&r)[4], const T * p, int ld, int lane) {
+    ldmatrix_x4(r, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
+}
+
+// c += a (16×16, row-major) · b (16×8, column-major): f16 operands, or bf16 ones (BF16), f32 accumulators.
+template <bool BF16 = false>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (BF16)
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Pulls [p, p + bytes) into L2 (a hint: it returns no data, so it is safe on memory being written).
 __device__ __forceinline__ void prefetch_l2(const uint8_t * p, int64_t bytes) {
     const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);

@@ -220,21 +220,6 @@ struct GemmSmem {
     static constexpr size_t bytes = size_t(bytes_for(stages));
 };
 
-// Four 8×8 f16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const half * p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-// c += a (16×16, row-major) · b (16×8, column-major).
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // wgmma (sm_90a only; elsewhere these trap, and gemm() never picks the path there).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DSV4_WGMMA 1
@@ -479,19 +464,14 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
         } else if (warp_has_tokens) {
 #pragma unroll
             for (int kk = 0; kk < kBK; kk += 16) {
-                // Activations [token][k] are the column-major K × N operand: matrices (tokens 0-7, k 0-7),
-                // (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) of each 16-token half.
+                // Activations [token][k] are the column-major K × N operand, weights the row-major A.
                 uint32_t b[2][4];
 #pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    ldmatrix_x4(
-                        b[j], xs + (wc + 16 * j + (lane & 7) + ((lane >> 4) << 3)) * kLd + kk + ((lane >> 3) & 1) * 8);
+                for (int j = 0; j < 2; ++j) ldmatrix_b2(b[j], xs + (wc + 16 * j) * kLd + kk, kLd, lane);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    // Weights are row-major [row][k]: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
-                    // (8-15, 8-15).
                     uint32_t af[4];
-                    ldmatrix_x4(af, ws + (wr + 16 * i + (lane & 15)) * kLd + kk + (lane >> 4) * 8);
+                    ldmatrix_a(af, ws + (wr + 16 * i) * kLd + kk, kLd, lane);
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
                         mma_16816(acc[i][j], af, b[j / 2][2 * (j % 2)], b[j / 2][2 * (j % 2) + 1]);

@@ -289,7 +289,7 @@ struct IndexerArgs {
     float * scores = nullptr;      // scratch of indexer_scratch_bytes: [n, capacity], then the split top-k's candidates
     float * cand_scores = nullptr;  // set by indexer_select
     int32_t * cand_rows = nullptr;
-    bool tensor_cores = false;  // prefill chunks score on the tensor cores (f16 queries and keys)
+    bool tensor_cores = false;  // score on the tensor cores: f16 queries and keys, bf16 for BF16 keys
 };
 size_t indexer_scratch_bytes(int64_t n, int64_t capacity, int64_t top_k);
 void indexer_select(IndexerArgs a, cudaStream_t s);
