@@ -793,24 +793,34 @@ TEST(Ops, IndexerSelect) {
     // candidates); nine tokens see 16500 to 17500 rows each, too many tokens to split (one block a token, the coarse
     // bins with the scores read from L2, as in a prefill chunk past 64K). Random decode, prefill and 1M-context keys
     // stored as BF16 (the official numerics' state, scored by the bf16 tiles: queries are bf16 values there, as the
-    // official numerics' FP4-rounded ones are) close the list.
+    // official numerics' FP4-rounded ones are) follow, and the nine tokens again with keys equal in pairs (ties in the
+    // threshold's bin, ordered across the warps' runs of rows) and all-equal keys (the radix select past the
+    // registers) close the list.
     static std::unique_ptr<Backend> no_tc = make_cuda_backend({.tensor_cores = false});
-    for (int c = 0; c < 17; ++c) {
-        const bool f32 = c >= 8 && c < 12;  // the decode cases again, without tensor cores
-        const bool bf16 = c >= 14;          // random keys stored as BF16 (official numerics)
-        const int shape = bf16    ? std::array{0, 2, 8}[size_t(c - 14)]
-                          : f32   ? std::array{0, 1, 4, 5}[size_t(c - 8)]
-                          : c < 8 ? c
-                                  : c - 4;
-        const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3 || shape == 7;
-        const bool long_rows = shape == 4 || shape == 6 || shape == 7, pairs = shape == 5 || shape == 6;
+    struct SelCase {
+        int shape;
+        bool f32 = false;   // the decode cases again, without tensor cores
+        bool bf16 = false;  // random keys stored as BF16 (official numerics)
+    };
+    std::vector<SelCase> cases;
+    for (int shape = 0; shape < 8; ++shape) cases.push_back({shape});
+    for (int shape : {0, 1, 4, 5}) cases.push_back({shape, true});
+    for (int shape : {8, 9}) cases.push_back({shape});
+    for (int shape : {0, 2, 8}) cases.push_back({shape, false, true});
+    for (int shape : {10, 11}) cases.push_back({shape});
+    for (const SelCase & sel_case : cases) {
+        const int shape = sel_case.shape;
+        const bool f32 = sel_case.f32, bf16 = sel_case.bf16;
+        const bool prefill = shape == 2 || shape == 3, ties = shape == 1 || shape == 3 || shape == 7 || shape == 11;
+        const bool long_rows = shape == 4 || shape == 6 || shape == 7;
+        const bool pairs = shape == 5 || shape == 6 || shape == 10, nine = shape >= 9;
         Store s;
         const int64_t H = 64, d = 128, R = 4, K = 512;
-        const int64_t cap = shape == 8 ? 262600 : long_rows || shape == 9 ? 17600 : prefill ? 1100 : 700;
+        const int64_t cap = shape == 8 ? 262600 : long_rows || nine ? 17600 : prefill ? 1100 : 700;
         std::vector<int32_t> pos = {2799, 1500, 100, 2050, 2051};
         if (long_rows) pos = {70000, 30000, 50000};
         if (shape == 8) pos = {1050000};
-        if (shape == 9) pos = {66000, 70000, 67000, 69500, 66500, 68000, 70003, 67777, 68888};
+        if (nine) pos = {66000, 70000, 67000, 69500, 66500, 68000, 70003, 67777, 68888};
         if (prefill) {
             pos.clear();
             for (int t = 0; t < 41; ++t) pos.push_back(1000 + 85 * t);
@@ -892,7 +902,7 @@ TEST(Ops, IndexerSelect) {
                     prefill      ? "prefill, "
                     : long_rows  ? "long rows, "
                     : shape == 8 ? "1M context, "
-                    : shape == 9 ? "long rows, 9 tokens, "
+                    : nine       ? "long rows, 9 tokens, "
                                  : "",
                     ties    ? "all-equal keys"
                     : pairs ? "keys equal in pairs"

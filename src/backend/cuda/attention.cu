@@ -590,7 +590,8 @@ struct TopkShared {
     uint32_t cand_key[kTopkCandidates];
     int cand_row[kTopkCandidates];
     uint32_t kept[kTopkMaxRows / 32];  // the threshold bin's kept rows, a bit each
-    int units[kTopkUnits];  // kept rows per (chunk, warp), then their exclusive prefix: rows in order
+    int units[kTopkUnits];  // kept rows per (chunk, warp), then their exclusive prefix: rows in order; from L2:
+                            // each warp's rows above, then equal to, the k-th key
     int red[33];
     int bin, above, bin_rows, candidates;  // coarse: the threshold's bin, rows in higher bins, rows in it, gathered
     uint32_t prefix;  // radix: the k-th key's digits found so far; coarse from L2: the k-th key
@@ -720,24 +721,18 @@ __device__ __forceinline__ void histogram_add(int * hist, bool in, uint32_t digi
     }
 }
 
-// Writes the rows whose key is above thr, and the first need_eq of those equal to it (the lowest indices win), to
-// sel ascending: warp w owns the contiguous rows [w·c, (w+1)·c) (c a multiple of 32), reads them 32 in a row (one
-// line a load), and two block scans of the warps' counts give each warp its first output slot and how many of its
-// keys equal to thr it keeps; ballots order the rows inside a warp's 32. The scores are read from L2, twice. (A
-// thread's own contiguous rows, as before session 24, made every load of a prefill chunk's 1024-thread blocks touch
-// 32 lines: 0.51 s of top-k in a 256K prefill's CSA layer.)
-__device__ void write_top_k(const float * sc, int n, uint32_t thr, int need_eq, int32_t * sel, TopkShared & s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Warp w of a top-k block owns the contiguous rows [w·c, (w+1)·c) of n in the passes below: c a multiple of 32, so
+// that a warp reads them 32 in a row (one line a load).
+__device__ __forceinline__ int topk_run(int n) { return (n + kTopkThreads - 1) / kTopkThreads * 32; }
+
+// Writes the rows of the warp's run [lo, hi) whose key is above thr, and the first need_eq over the block of those
+// equal to it (the lowest indices win), to sel ascending, given each warp's counts of keys above (gt) and equal to
+// (eq) thr in its run: two block scans of those counts give each warp its first output slot and how many of its
+// keys equal to thr it keeps; ballots order the rows inside a warp's 32. The scores are read from L2 once.
+__device__ void place_top_k(const float * sc, int lo, int hi, uint32_t thr, int need_eq, int gt, int eq, int32_t * sel,
+                            TopkShared & s) {
+    const int lane = threadIdx.x & 31;
     const unsigned lower_lanes = (1u << lane) - 1;
-    const int c = (n + kTopkThreads - 1) / kTopkThreads * 32, lo = min(n, warp * c), hi = min(n, lo + c);
-    int gt = 0, eq = 0;
-    for (int i = lo + lane; i < hi; i += 32) {
-        const uint32_t kv = score_key(sc[i]);
-        gt += kv > thr;
-        eq += kv == thr;
-    }
-    gt = int(__reduce_add_sync(kFull, unsigned(gt)));
-    eq = int(__reduce_add_sync(kFull, unsigned(eq)));
     int eq_before;  // lane 0 alone holds the warp's counts in the scans
     block_exclusive_scan(lane == 0 ? eq : 0, eq_before, s.red);
     const int eq_keep = max(0, min(eq, need_eq - __shfl_sync(kFull, eq_before, 0)));
@@ -756,12 +751,31 @@ __device__ void write_top_k(const float * sc, int n, uint32_t thr, int need_eq, 
     }
 }
 
+// place_top_k with the counts taken by one more pass over the scores. (A thread's own contiguous rows, as before
+// session 24, made every load of a prefill chunk's 1024-thread blocks touch 32 lines: 0.51 s of top-k in a 256K
+// prefill's CSA layer, 0.42 s by warps.)
+__device__ void write_top_k(const float * sc, int n, uint32_t thr, int need_eq, int32_t * sel, TopkShared & s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = topk_run(n), lo = min(n, warp * c), hi = min(n, lo + c);
+    int gt = 0, eq = 0;
+    for (int i = lo + lane; i < hi; i += 32) {
+        const uint32_t kv = score_key(sc[i]);
+        gt += kv > thr;
+        eq += kv == thr;
+    }
+    place_top_k(sc, lo, hi, thr, need_eq, int(__reduce_add_sync(kFull, unsigned(gt))),
+                int(__reduce_add_sync(kFull, unsigned(eq))), sel, s);
+}
+
 // Rows past the registers (contexts past 64K): the coarse bins with the scores read from L2 in each pass. One pass
-// counts the coarse digits and one gathers the threshold bin's keys; a warp per gathered key counts the keys above
-// and equal to it, which gives the exact k-th key and how many keys equal to it are kept, and write_top_k writes
-// the selection. At 128K (32768 rows) 18.7 µs a CSA layer against the radix select's 45.7 (session 21's traces);
-// a 4-layer decode step at 256K is 66 µs shorter. Returns false, having written nothing, when the bin holds more
-// than kTopkCandidates rows.
+// counts the coarse digits; one gathers the threshold bin's keys and rows and counts each warp's rows in higher
+// bins; a warp per gathered key counts the keys above and equal to it, which gives the exact k-th key and how many
+// keys equal to it are kept; the gathered keys complete each warp's counts, and place_top_k writes the selection:
+// three reads of the scores (four until session 24, when the counts took a pass of their own: 424 → 414 ms of
+// top-k in a 256K prefill's CSA layer on an H200, where the passes wait on instructions more than on memory; a
+// GB10's 273 GB/s should feel the pass more). At 128K (32768 rows) 18.7 µs a CSA layer against the radix select's
+// 45.7 (session 21's traces). Returns false, having written nothing, when the bin holds more than kTopkCandidates
+// rows.
 __device__ bool block_top_k_coarse_l2(const float * sc, int n, int k, int32_t * sel, TopkShared & s) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     for (int i = tid; i < kTopkCoarseBins / 4; i += kTopkThreads)
@@ -774,29 +788,51 @@ __device__ bool block_top_k_coarse_l2(const float * sc, int n, int k, int32_t * 
     coarse_threshold(k, s);
     if (s.bin_rows > kTopkCandidates) return false;
     const int bin = s.bin;
+    const int c = topk_run(n), lo = min(n, warp * c), hi = min(n, lo + c);
+    int above = 0;
 #pragma unroll 8
-    for (int i = tid; i < n; i += kTopkThreads) {
+    for (int i = lo + lane; i < hi; i += 32) {
         const float f = sc[i];
-        if (coarse_digit(f) == bin) s.cand_key[atomicAdd(&s.candidates, 1)] = score_key(f);
+        const int d = coarse_digit(f);
+        above += d > bin;
+        if (d == bin) {
+            const int slot = atomicAdd(&s.candidates, 1);
+            s.cand_key[slot] = score_key(f);
+            s.cand_row[slot] = i;
+        }
+    }
+    above = int(__reduce_add_sync(kFull, unsigned(above)));
+    int * warp_gt = s.units;  // [32]: each warp's rows above the k-th key, then [32]: equal to it
+    int * warp_eq = s.units + 32;
+    if (lane == 0) {
+        warp_gt[warp] = above;
+        warp_eq[warp] = 0;
     }
     __syncthreads();
     const int rows = s.bin_rows, need = k - s.above;
-    for (int c = warp; c < rows; c += kTopkThreads / 32) {
-        const uint32_t kc = s.cand_key[c];
+    for (int r = warp; r < rows; r += kTopkThreads / 32) {
+        const uint32_t kr = s.cand_key[r];
         int gt = 0, eq = 0;
         for (int o = lane; o < rows; o += 32) {
-            gt += s.cand_key[o] > kc;
-            eq += s.cand_key[o] == kc;
+            gt += s.cand_key[o] > kr;
+            eq += s.cand_key[o] == kr;
         }
         gt = int(__reduce_add_sync(kFull, unsigned(gt)));
         eq = int(__reduce_add_sync(kFull, unsigned(eq)));
         if (lane == 0 && gt < need && gt + eq >= need) {  // equal keys write the same values
-            s.prefix = kc;
+            s.prefix = kr;
             s.remaining = need - gt;
         }
     }
     __syncthreads();
-    write_top_k(sc, n, s.prefix, s.remaining, sel, s);
+    const uint32_t thr = s.prefix;
+    for (int r = tid; r < rows; r += kTopkThreads) {
+        const uint32_t kr = s.cand_key[r];
+        if (kr > thr) atomicAdd(&warp_gt[s.cand_row[r] / c], 1);
+        if (kr == thr) atomicAdd(&warp_eq[s.cand_row[r] / c], 1);
+    }
+    __syncthreads();
+    place_top_k(sc, lo, hi, thr, s.remaining, warp_gt[warp], warp_eq[warp], sel, s);
     return true;
 }
 
