@@ -48,12 +48,16 @@ int64_t ubatch_for(const EngineOptions & o, bool on_gpu) {
     return o.n_ubatch > 0 ? o.n_ubatch : on_gpu ? kGpuUbatch : 256;
 }
 
+Numerics numerics_of(const EngineOptions & o) {
+    Numerics numerics;
+    DSV4_CHECK(parse_numerics(o.numerics, &numerics), "unknown numerics '{}' (official or reference)", o.numerics);
+    return numerics;
+}
+
 class EngineImpl final : public Engine {
   public:
     explicit EngineImpl(const EngineOptions & options, const std::function<void(const LoadProgress &)> & progress) {
-        Numerics numerics;
-        DSV4_CHECK(parse_numerics(options.numerics, &numerics), "unknown numerics '{}' (official or reference)",
-                   options.numerics);
+        const Numerics numerics = numerics_of(options);
         file_ = std::make_unique<GgufFile>(GgufFile::open(options.model_path));
         if (!options.mtp_path.empty()) mtp_file_ = std::make_unique<GgufFile>(GgufFile::open(options.mtp_path));
         const bool on_gpu = wants_gpu(options);
@@ -311,9 +315,7 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
     if (!options.mtp_path.empty()) mtp_file.emplace(GgufFile::open(options.mtp_path));
     const ModelConfig c = load_config(file);
     const bool on_gpu = wants_gpu(options);
-    Numerics numerics;
-    DSV4_CHECK(parse_numerics(options.numerics, &numerics), "unknown numerics '{}' (official or reference)",
-               options.numerics);
+    const Numerics numerics = numerics_of(options);
 
     MemoryPlan base;
     base.n_sessions = std::max(n_sessions, 1);

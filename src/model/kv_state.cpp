@@ -64,7 +64,7 @@ KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with
         p.compressed_bytes += size_t(rows * c.head_dim) * f;
         p.frontier_bytes += 2 * size_t(frontier_rows(lc) * frontier_width(lc, c.head_dim)) * f;
         if (lc.kind == LayerKind::csa) {
-            p.indexer_bytes += size_t(rows * c.indexer_dim) * (idx_keys == GgmlType::BF16 ? 2 : f);
+            p.indexer_bytes += row_bytes(idx_keys, c.indexer_dim) * size_t(rows);
             p.frontier_bytes += 2 * size_t(2 * lc.compress_ratio * 2 * c.indexer_dim) * f;
         }
     }
@@ -81,7 +81,7 @@ KvState::KvState(const ModelConfig & config, Backend & backend, int64_t n_ctx, i
     plan_ = plan_kv(config, n_ctx, n_ubatch, with_mtp, idx_keys);
     ring_ = plan_.ring;
     auto tensor = [&](int64_t width, int64_t rows, GgmlType type = GgmlType::F32) {
-        auto buf = backend_.alloc(size_t(width * rows) * (type == GgmlType::BF16 ? 2 : sizeof(float)));
+        auto buf = backend_.alloc(row_bytes(type, width) * size_t(rows));
         Tensor t = make_tensor(type, buf->data(), width, rows);
         buffers_.push_back(std::move(buf));
         return t;
@@ -143,12 +143,13 @@ std::string KvState::snapshot() const {
     std::vector<uint16_t> half;
     auto put_rows = [&](const Tensor & t, int64_t first, int64_t count) {
         buf.resize(size_t(count * t.ne[0]));
+        const size_t bytes = size_t(count) * t.row_bytes(), offset = size_t(first) * t.row_bytes();
         if (t.type == GgmlType::BF16) {
             half.resize(buf.size());
-            backend_.read(t, half.data(), half.size() * 2, size_t(first * t.ne[0]) * 2);
+            backend_.read(t, half.data(), bytes, offset);
             for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(half[i]);
         } else {
-            backend_.read(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+            backend_.read(t, buf.data(), bytes, offset);
         }
         w.put(buf.data(), buf.size() * sizeof(float));
     };
@@ -209,12 +210,13 @@ void KvState::restore(std::string_view bytes) {
     auto get_rows = [&](const Tensor & t, int64_t first, int64_t count) {
         buf.resize(size_t(count * t.ne[0]));
         r.get(buf.data(), buf.size() * sizeof(float));
+        const size_t bytes = size_t(count) * t.row_bytes(), offset = size_t(first) * t.row_bytes();
         if (t.type == GgmlType::BF16) {
             half.resize(buf.size());
             for (size_t i = 0; i < buf.size(); ++i) half[i] = f32_to_bf16(buf[i]);
-            backend_.write(t, half.data(), half.size() * 2, size_t(first * t.ne[0]) * 2);
+            backend_.write(t, half.data(), bytes, offset);
         } else {
-            backend_.write(t, buf.data(), buf.size() * sizeof(float), size_t(first * t.ne[0]) * sizeof(float));
+            backend_.write(t, buf.data(), bytes, offset);
         }
     };
     auto get_raw = [&](const Tensor & raw) {

@@ -156,6 +156,12 @@ __device__ __forceinline__ float4 load_key4(const IndexerArgs & a, int64_t i) {
 __device__ __forceinline__ int64_t indexer_visible(const IndexerArgs & a, int64_t t) {
     return min(int64_t(a.positions[t] + 1) / a.ratio, a.capacity);
 }
+// The rows token t of a prefill block scores: its visible rows when they are more than top_k (else the top-k takes
+// them all unscored), 0 for a token past the launch's.
+__device__ __forceinline__ int64_t indexer_scored(const IndexerArgs & a, int64_t t) {
+    const int64_t visible = t < a.n ? indexer_visible(a, t) : 0;
+    return visible > a.top_k ? visible : 0;
+}
 
 __global__ void indexer_scores_kernel(const IndexerArgs a) {
     pdl_begin();
@@ -288,11 +294,7 @@ __global__ void __launch_bounds__(kIdxTcTokens * 128) indexer_scores_tc_kernel(c
     __shared__ float ws[kIdxTcRows];
     __shared__ int64_t scored[kIdxTcTokens];  // visible rows of a token that has more than top_k, else 0
     const int64_t t0 = int64_t(blockIdx.x) * kIdxTcTokens;
-    if (threadIdx.x < kIdxTcTokens) {
-        const int64_t t = t0 + threadIdx.x;
-        const int64_t visible = t < a.n ? indexer_visible(a, t) : 0;
-        scored[threadIdx.x] = visible > a.top_k ? visible : 0;
-    }
+    if (threadIdx.x < kIdxTcTokens) scored[threadIdx.x] = indexer_scored(a, t0 + threadIdx.x);
     for (int i = threadIdx.x; i < kIdxTcRows * kIdxFastDim / 4; i += blockDim.x) {
         const int r = i / (kIdxFastDim / 4), c = i % (kIdxFastDim / 4) * 4;
         const bool in = t0 + r / kIdxFastHeads < a.n;
@@ -455,11 +457,7 @@ __global__ void __launch_bounds__(TOK * WPT * 32, 2) indexer_scores_mma_kernel(c
     __nv_bfloat16 * ks = qs + TOK * kIdxFastHeads * kIdxMmaLd;             // [stage][key][kIdxMmaLd]
     __shared__ int64_t scored[TOK];  // visible rows of a token that has more than top_k, else 0
     const int64_t t0 = int64_t(gridDim.x - 1 - blockIdx.x) * TOK;
-    if (threadIdx.x < TOK) {
-        const int64_t t = t0 + threadIdx.x;
-        const int64_t visible = t < a.n ? indexer_visible(a, t) : 0;
-        scored[threadIdx.x] = visible > a.top_k ? visible : 0;
-    }
+    if (threadIdx.x < TOK) scored[threadIdx.x] = indexer_scored(a, t0 + threadIdx.x);
     __syncthreads();
     int64_t keys = 0;
 #pragma unroll
