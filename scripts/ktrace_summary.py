@@ -45,7 +45,7 @@ def steps_of(kernels):
 
 def kind(name):
     name = re.sub(r'dsv4::cuda::|\(anonymous namespace\)::|void ', '', name)
-    return name if name.startswith(('matvec_kernel', 'memcpy')) else re.sub(r'[<(].*$', '', name)
+    return name if name.startswith(('matvec_kernel', 'gemm_kernel', 'memcpy')) else re.sub(r'[<(].*$', '', name)
 
 
 def totals(records, top):

@@ -326,6 +326,42 @@ INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                              MatCase{GgmlType::Q8_0, 1024, 32768, 300}, MatCase{GgmlType::F16, 1024, 8192, 1100},
                              MatCase{GgmlType::Q2_K, 512, 5000, 1700}, MatCase{GgmlType::Q8_0, 1024, 4096, 1100}));
 
+// The tensor-core tiles decode each weight to the f16 nearest its exact value (gemm.cu): with one-hot activations a
+// product returns those weights, which must equal the CPU's dequantized values rounded to f16, bit for bit. Two
+// shapes: 256 rows (the small mma.sync tiles) and 8192 rows × 2304 tokens (the largest tiles: wgmma on sm_90a, or
+// 128-row mma.sync tiles).
+TEST(Ops, MatmulTilesDecodeWeightsExactly) {
+    constexpr int64_t K = 256;
+    for (GgmlType type : {GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q4_K,
+                          GgmlType::IQ2_XXS, GgmlType::MXFP4}) {
+        for (const auto & [rows, n] : {std::pair<int64_t, int64_t>{256, 256}, {8192, 9 * K}}) {
+            const std::string what = "tile decode " + std::string(type_name(type)) + " " + std::to_string(rows) +
+                                     " rows, n=" + std::to_string(n);
+            if (!cuda_tensor_core_product(type, K, n)) {
+                std::printf("  %-58s not on the tensor cores here\n", what.c_str());
+                continue;
+            }
+            Store s;
+            const Both w = s.weight(type, K, rows);
+            std::vector<float> x(size_t(K * n), 0.0f);
+            for (int64_t j = 0; j < n; ++j) x[size_t(j * K + j % K)] = 1.0f;
+            const Both xs = s.values(x, K, n);
+            const Both y = s.out(GgmlType::F32, rows, n);
+            gpu().matmul(w.g, xs.g, y.g);
+            const std::vector<float> got = read_gpu(y.g);
+            std::vector<float> wrow(static_cast<size_t>(K));
+            size_t off = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+                dequantize_row(type, static_cast<const uint8_t *>(w.c.data) + size_t(r) * row_bytes(type, K),
+                               wrow.data(), K);
+                for (int64_t j = 0; j < n; ++j) off += got[size_t(j * rows + r)] != round_f16(wrow[size_t(j % K)]);
+            }
+            std::printf("  %-58s %zu of %zu differ\n", what.c_str(), off, got.size());
+            EXPECT_EQ(off, 0u) << what;
+        }
+    }
+}
+
 TEST(Ops, MatmulGroupedOutputProjection) {
     for (int64_t n : {1, 3, 20, 70}) {
         Store s;

@@ -125,9 +125,32 @@ __device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, const WeightR
     return r;
 }
 
-// Eight weights as eight f16 values (col: their column in the matrix).
+// IQ2_XXS tables in shared memory: the grid (magnitudes as bytes, 2 KB) and, for each 4-bit run of signs, the masks
+// that flip two pairs of halves' sign bits (128 bytes, one bank an entry: a warp's lookups never conflict). The
+// grid's random 8-byte lookups conflict anyway. A grid of f16 halves (4 KB) and a 16-byte mask for each of the 128
+// sign patterns (2 KB) took fewer instructions but 2.7 times the bank conflicts, and the tiles waited on them
+// (Nsight Compute, one 8192-token gate/up: 446 M against 167 M, 10.9 ms against 9.3).
+struct Iq2TileTables {
+    uint64_t grid[256];
+    uint2 sign_masks[16];
+};
+__device__ __forceinline__ void fill_iq2_tile_tables(Iq2TileTables & tab, const Iq2Tables & src, int threads) {
+    for (int i = threadIdx.x; i < 256; i += threads) {
+        tab.grid[i] = src.grid[i];
+        if (i < 16)
+            tab.sign_masks[i] =
+                make_uint2((i & 1u) << 15 | (i >> 1 & 1u) << 31, (i >> 2 & 1u) << 15 | (i >> 3 & 1u) << 31);
+    }
+}
+
+// Eight weights as eight f16 values (col: their column in the matrix), each the f16 nearest its exact value. The
+// low-bit types decode in f16 arithmetic and byte permutes, without a conversion a weight: the decodes' instructions
+// bound their tiles (one 8192-token IQ2_XXS gate/up: 4.7 G instructions and 11.1 ms with a float conversion and
+// product a weight, 3.9 G and 9.3 ms so).
 template <GgmlType T>
-__device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const uint64_t * iq2_grid) {
+__device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const Iq2TileTables * iq2) {
+    uint4 packed;
+    uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
     if constexpr (T == GgmlType::F16) {
         return r.q;
     } else if constexpr (T == GgmlType::Q8_0) {
@@ -135,8 +158,6 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const 
         // exactly; the product with the f16 scale is rounded once, as the f32 product (exact) rounded to f16.
         const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));
         const half2 bias = __half2half2(__ushort_as_half(uint16_t(0x6480)));  // 1152
-        uint4 packed;
-        uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const uint32_t biased =
@@ -144,7 +165,42 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const 
             const half2 v = __hmul2(__hsub2(*reinterpret_cast<const half2 *>(&biased), bias), d);
             h[j] = *reinterpret_cast<const uint32_t *>(&v);
         }
-        return packed;
+    } else if constexpr (T == GgmlType::IQ2_XXS) {
+        // A magnitude m times c = (2s + 1) / 8 (the sub-block scale 0.25 (0.5 + s)) is at most 1333 / 8, exact in
+        // f16's 11 bits; the fused (1024 + m) · c - 1024 · c gives it from the byte as the low half of 0x6400. The
+        // product with the f16 d then rounds once: the f16 nearest d · m · (0.5 + s) / 4. Signs: the seven stored
+        // bits and their parity (an even count of negatives), applied to the halves' sign bits.
+        const int k = int(col % 32 / 8);
+        const uint64_t grid = iq2->grid[(r.q.x >> (8 * k)) & 255];
+        const uint32_t s7 = (r.q.y >> (7 * k)) & 127, signs = s7 | (__popc(s7) & 1) << 7;
+        const uint2 sign_lo = iq2->sign_masks[signs & 15], sign_hi = iq2->sign_masks[signs >> 4];
+        const uint32_t sign[4] = {sign_lo.x, sign_lo.y, sign_hi.x, sign_hi.y};
+        const float c = float(2 * (r.q.y >> 28) + 1) * 0.125f;
+        const half2 c2 = __float2half2_rn(c), bias2 = __float2half2_rn(-1024.0f * c);
+        const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t biased =
+                __byte_perm(uint32_t(grid >> (j < 2 ? 0 : 32)), 0x64646464u, j % 2 ? 0x4342 : 0x4140);
+            const half2 v = __hmul2(__hfma2(*reinterpret_cast<const half2 *>(&biased), c2, bias2), d);
+            h[j] = *reinterpret_cast<const uint32_t *>(&v) ^ sign[j];
+        }
+    } else if constexpr (T == GgmlType::Q2_K) {
+        // A 2-bit code takes one of four values under its sub-block's scale and min, each computed in f32 as
+        // decode8 does (mul · q is exact, so one rounding) and rounded to f16; a byte permute picks each weight's
+        // two bytes (selector nibbles 2q and 2q + 1: two codes at once, from their bytes times 0x22).
+        const float d = f16_bits_to_f32(uint16_t(r.scale)), dmin = f16_bits_to_f32(uint16_t(r.scale >> 16));
+        const float mul = d * float(r.aux & 15), sub = dmin * float(r.aux >> 4);
+        const half2 v01 = __floats2half2_rn(-sub, mul - sub),
+                    v23 = __floats2half2_rn(2.0f * mul - sub, 3.0f * mul - sub);
+        const uint32_t lo = *reinterpret_cast<const uint32_t *>(&v01), hi = *reinterpret_cast<const uint32_t *>(&v23);
+        const int g = int(col % 128 / 32);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t codes = ((j == 0 ? r.q.x : r.q.y) >> (2 * g)) & 0x03030303u;
+            h[2 * j] = __byte_perm(lo, hi, (codes & 0x0303u) * 0x22u + 0x1010u);
+            h[2 * j + 1] = __byte_perm(lo, hi, (codes >> 16) * 0x22u + 0x1010u);
+        }
     } else {
         float v[8];
         if constexpr (T == GgmlType::BF16) {
@@ -155,17 +211,15 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const 
                 v[2 * j + 1] = bf16_bits_to_f32(uint16_t(word[j] >> 16));
             }
         } else {
-            decode8<T>(r, col, iq2_grid, v);
+            decode8<T>(r, col, nullptr, v);
         }
-        uint4 packed;
-        uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const half2 pair = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
             h[j] = *reinterpret_cast<const uint32_t *>(&pair);
         }
-        return packed;
     }
+    return packed;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -299,7 +353,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     extern __shared__ __align__(128) uint8_t smem[];  // ring [kStages][Smem::slot], tiles [2][kTile]
     __shared__ int64_t src[BN], dst[BN];
     __shared__ int n_tok_shared;
-    __shared__ uint64_t iq2_grid[T == GgmlType::IQ2_XXS ? 256 : 1];
+    __shared__ std::conditional_t<T == GgmlType::IQ2_XXS, Iq2TileTables, char> iq2;
     half * const tiles = reinterpret_cast<half *>(smem + kStages * Smem::slot);
     float * const out = reinterpret_cast<float *>(smem);  // [BN][kLdOut] after the K loop
 
@@ -309,8 +363,11 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
         if (i < a.n_targets && int(blockIdx.x) >= a.t[i].first_block) t = a.t[i];
     const int64_t row0 = int64_t(int(blockIdx.x) - t.first_block) * BM;
     const int64_t k = t.w.ne0, group = blockIdx.z;
-    if constexpr (T == GgmlType::IQ2_XXS)
-        for (int i = threadIdx.x; i < 256; i += kThreads) iq2_grid[i] = t.w.iq2->grid[i];
+    const Iq2TileTables * iq2_tables = nullptr;
+    if constexpr (T == GgmlType::IQ2_XXS) {
+        fill_iq2_tile_tables(iq2, *t.w.iq2, kThreads);
+        iq2_tables = &iq2;
+    }
     pdl_begin();
 
     // The block's tokens: a plain range, or one expert's pairs.
@@ -414,7 +471,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
                 if (row0 + r % BM < t.rows)
                     h[i] = raw8_to_f16<T>(
                         raw8_from_tile<T>(slot + r * kStride, weight_of(r), row_off + row0 + r % BM, k0, c8), k0 + c8,
-                        iq2_grid);
+                        iq2_tables);
             }
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) *reinterpret_cast<uint4 *>(ws + tile_at<WG>(row_of(i0 + i), c8)) = h[i];
@@ -551,7 +608,12 @@ void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
     a.glu ? launch_gemm<T, true, ROWS, BN, WG>(a, grid, s) : launch_gemm<T, false, ROWS, BN, WG>(a, grid, s);
 }
 
-constexpr size_t kStaticSmem = 4096;  // src, dst, the IQ2_XXS grid (under 3.2 KB)
+// Static shared memory of a block, at most: src and dst (128 tokens), the IQ2_XXS tables, and 256 bytes for the
+// token count and what ptxas adds (ptxas -v: 2176 bytes at 128 tokens, 4352 with the IQ2_XXS tables).
+template <GgmlType T>
+constexpr size_t static_smem() {
+    return 2 * 128 * sizeof(int64_t) + 256 + (T == GgmlType::IQ2_XXS ? sizeof(Iq2TileTables) : 0);
+}
 
 // The wgmma tiles run where the build has sm_90a code (DSV4_CUDA_SM90A, set by CMake when DSV4_CUDA_ARCHITECTURES
 // names 90a) and the device is compute capability 9.0. DSV4_CUDA_WGMMA=0 keeps the mma.sync tiles there too: the
@@ -572,7 +634,7 @@ bool use_wgmma() {
 // Whether the small tiles of type T fit the device.
 template <GgmlType T>
 bool gemm_fits() {
-    return std::max(GemmSmem<T, 64, 64, false>::bytes, GemmSmem<T, 64, 128, false>::bytes) + kStaticSmem <=
+    return std::max(GemmSmem<T, 64, 64, false>::bytes, GemmSmem<T, 64, 128, false>::bytes) + static_smem<T>() <=
            device_smem_optin();
 }
 
@@ -582,7 +644,7 @@ bool tiles_fit(const MatvecArgs & a, int64_t rows, int64_t max_tiles, int tile_t
     const size_t smem = tile_tokens == 128 ? GemmSmem<T, ROWS, 128, WG>::bytes : GemmSmem<T, ROWS, 64, WG>::bytes;
     const int64_t bm = a.glu ? ROWS / 2 : ROWS;
     return rows / bm * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
-           smem + kStaticSmem <= device_smem_optin();
+           smem + static_smem<T>() <= device_smem_optin();
 }
 
 template <GgmlType T, int ROWS, bool WG>
