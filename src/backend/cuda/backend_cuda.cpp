@@ -586,7 +586,8 @@ class CudaBackend final : public Backend {
         const bool tensor_cores = tensor_cores_ &&
                                   cuda_tensor_core_moe(gate.type, down.type, dim, inner, n_pairs, n_expert) &&
                                   cuda::gemm_inputs_aligned(g);
-        const int nt = tensor_cores ? cuda::gemm_tile_tokens(n_pairs / n_expert)
+        const int nt = tensor_cores ? std::min(cuda::gemm_tile_tokens(n_pairs / n_expert, gate.type),
+                                               cuda::gemm_tile_tokens(n_pairs / n_expert, down.type))
                                     : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
                                                cuda::matvec_tile_tokens(down.type, inner, n));
         const int64_t max_tiles = std::min(n_pairs, (n_pairs + nt - 1) / nt + n_expert);
@@ -934,7 +935,8 @@ class CudaBackend final : public Backend {
             uint16_t * x16 = static_cast<uint16_t *>(scratch(size_t(a.n * a.x_stride) * 2));
             cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
             a.x_f16 = x16;
-            const int nt = cuda::gemm_tile_tokens(a.n);
+            int nt = 128;
+            for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::gemm_tile_tokens(a.n, a.t[i].w.type));
             cuda::gemm(a, (a.n + nt - 1) / nt, nt, stream_);
             launched("gemm");
             return;

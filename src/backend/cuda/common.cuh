@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 namespace dsv4::cuda {
@@ -59,9 +60,15 @@ int device_attribute(int fallback, int floor) {
 }
 // Multiprocessors of the current device.
 inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
-// Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB).
+// Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB). Every
+// kernel shape that depends on it asks here, so DSV4_CUDA_SMEM_LIMIT=101376 (bytes; it only lowers the value) makes
+// an H200 take sm_120/121's tiles and shapes: the tests run them there (with DSV4_CUDA_WGMMA=0).
 inline size_t device_smem_optin() {
-    return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024));
+    static const size_t limit = [] {
+        const char * e = std::getenv("DSV4_CUDA_SMEM_LIMIT");
+        return e && *e ? size_t(std::strtoull(e, nullptr, 10)) : SIZE_MAX;
+    }();
+    return std::min(limit, size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024)));
 }
 
 // The launch attribute that groups a grid's blocks into clusters of x blocks along x (sm_90 and later).

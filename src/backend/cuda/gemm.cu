@@ -260,8 +260,9 @@ __device__ __forceinline__ int tile_at(int r, int c) {
 
 // Dynamic shared memory, bytes: during the K loop the ring (per slot: raw weight rows, activations [BN][64] f16)
 // and two decoded weight tiles [ROWS][64] (f16); after it, the output tile [BN][ROWS + 4] (f32). The ring has 4
-// slots (loads run three steps ahead) when 16 warps per multiprocessor still fit in sm_90's 227 KB, else 3.
-template <GgmlType T, int ROWS, int BN, bool WG>
+// slots (loads run three steps ahead) when 16 warps per multiprocessor still fit in sm_90's 227 KB, else 3;
+// STAGES, when given, overrides that (3 for the 64 × 128 tiles on sm_120/121, whose blocks have 99 KB).
+template <GgmlType T, int ROWS, int BN, bool WG, int STAGES = 0>
 struct GemmSmem {
     static constexpr int raw = ROWS * raw_stride<T>();
     static constexpr int slot = raw + BN * tile_ld<WG>() * 2;
@@ -270,7 +271,8 @@ struct GemmSmem {
     static constexpr int bytes_for(int stages) {
         return stages * slot + 2 * tile > out ? stages * slot + 2 * tile : out;
     }
-    static constexpr int stages = bytes_for(4) * (512 / gemm_threads<ROWS, BN, WG>()) <= 220 * 1024 ? 4 : 3;
+    static constexpr int rule_stages = bytes_for(4) * (512 / gemm_threads<ROWS, BN, WG>()) <= 220 * 1024 ? 4 : 3;
+    static constexpr int stages = STAGES ? STAGES : rule_stages;
     static constexpr size_t bytes = size_t(bytes_for(stages));
 };
 
@@ -340,10 +342,10 @@ __device__ __forceinline__ void wgmma_f16(float (&d)[N / 2], uint64_t a, uint64_
 #undef DSV4_ACC4
 
 // Registers: at most 128 per thread (512 / threads blocks per multiprocessor), so that 16 warps fit.
-template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
+template <GgmlType T, bool GLU, int ROWS, int BN, bool WG, int STAGES = 0>
 __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threads<ROWS, BN, WG>())
     gemm_kernel(const MatvecArgs a) {
-    using Smem = GemmSmem<T, ROWS, BN, WG>;
+    using Smem = GemmSmem<T, ROWS, BN, WG, STAGES>;
     constexpr int BM = gemm_bm<GLU, ROWS>(), kThreads = gemm_threads<ROWS, BN, WG>(), kLdOut = ROWS + 4;
     constexpr int kStride = raw_stride<T>(), kPieces = raw_pieces<T>(), kStages = Smem::stages;
     constexpr int kTile = ROWS * tile_ld<WG>();                              // halves per decoded tile
@@ -598,21 +600,39 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
 }
 
-template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
-void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
-    launch(gemm_kernel<T, GLU, ROWS, BN, WG>, grid, dim3(gemm_threads<ROWS, BN, WG>()),
-           GemmSmem<T, ROWS, BN, WG>::bytes, s, a);
-}
-template <GgmlType T, int ROWS, int BN, bool WG>
-void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
-    a.glu ? launch_gemm<T, true, ROWS, BN, WG>(a, grid, s) : launch_gemm<T, false, ROWS, BN, WG>(a, grid, s);
-}
-
 // Static shared memory of a block, at most: src and dst (128 tokens), the IQ2_XXS tables, and 256 bytes for the
 // token count and what ptxas adds (ptxas -v: 2176 bytes at 128 tokens, 4352 with the IQ2_XXS tables).
 template <GgmlType T>
 constexpr size_t static_smem() {
     return 2 * 128 * sizeof(int64_t) + 256 + (T == GgmlType::IQ2_XXS ? sizeof(Iq2TileTables) : 0);
+}
+
+// Whether a 64-row × 128-token mma.sync tile takes a ring of 3 steps, not 4: where 4 do not fit a block's shared
+// memory (sm_120 and sm_121, 99 KB: 89 KB for Q8_0 with 3, 110 with 4).
+template <GgmlType T>
+bool narrow_ring() {
+    return GemmSmem<T, 64, 128, false>::bytes + static_smem<T>() > device_smem_optin();
+}
+// The dynamic shared memory a launch of these tiles takes on this device.
+template <GgmlType T, int ROWS, int BN, bool WG>
+size_t gemm_smem() {
+    if constexpr (ROWS == 64 && BN == 128 && !WG)
+        if (narrow_ring<T>()) return GemmSmem<T, 64, 128, false, 3>::bytes;
+    return GemmSmem<T, ROWS, BN, WG>::bytes;
+}
+
+template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
+void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    if constexpr (ROWS == 64 && BN == 128 && !WG)
+        if (narrow_ring<T>())
+            return launch(gemm_kernel<T, GLU, 64, 128, false, 3>, grid, dim3(gemm_threads<64, 128, false>()),
+                          gemm_smem<T, 64, 128, false>(), s, a);
+    launch(gemm_kernel<T, GLU, ROWS, BN, WG>, grid, dim3(gemm_threads<ROWS, BN, WG>()), gemm_smem<T, ROWS, BN, WG>(), s,
+           a);
+}
+template <GgmlType T, int ROWS, int BN, bool WG>
+void launch_gemm(const MatvecArgs & a, dim3 grid, cudaStream_t s) {
+    a.glu ? launch_gemm<T, true, ROWS, BN, WG>(a, grid, s) : launch_gemm<T, false, ROWS, BN, WG>(a, grid, s);
 }
 
 // The wgmma tiles run where the build has sm_90a code (DSV4_CUDA_SM90A, set by CMake when DSV4_CUDA_ARCHITECTURES
@@ -631,17 +651,21 @@ bool use_wgmma() {
 #endif
 }
 
-// Whether the small tiles of type T fit the device.
+// Whether the small tiles of type T fit the device: 64 tokens always, 128 where wide_tiles_fit (sm_120/121 keep F16
+// and BF16 at 64 tokens: their 64 × 128 tiles need 101 KB with a ring of 3).
 template <GgmlType T>
 bool gemm_fits() {
-    return std::max(GemmSmem<T, 64, 64, false>::bytes, GemmSmem<T, 64, 128, false>::bytes) + static_smem<T>() <=
-           device_smem_optin();
+    return gemm_smem<T, 64, 64, false>() + static_smem<T>() <= device_smem_optin();
+}
+template <GgmlType T>
+bool wide_tiles_fit() {
+    return gemm_smem<T, 64, 128, false>() + static_smem<T>() <= device_smem_optin();
 }
 
 // Whether ROWS-row tiles give the GPU at least two waves of blocks and fit its shared memory.
 template <GgmlType T, int ROWS, bool WG>
 bool tiles_fit(const MatvecArgs & a, int64_t rows, int64_t max_tiles, int tile_tokens) {
-    const size_t smem = tile_tokens == 128 ? GemmSmem<T, ROWS, 128, WG>::bytes : GemmSmem<T, ROWS, 64, WG>::bytes;
+    const size_t smem = tile_tokens == 128 ? gemm_smem<T, ROWS, 128, WG>() : gemm_smem<T, ROWS, 64, WG>();
     const int64_t bm = a.glu ? ROWS / 2 : ROWS;
     return rows / bm * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
            smem + static_smem<T>() <= device_smem_optin();
@@ -722,7 +746,11 @@ void gemm_activations(const float * x, const float * x_up, float limit, int64_t 
                limit, n, reinterpret_cast<half *>(dst));
 }
 
-int gemm_tile_tokens(int64_t tokens_per_matrix) { return tokens_per_matrix >= 96 ? 128 : 64; }
+int gemm_tile_tokens(int64_t tokens_per_matrix, GgmlType w) {
+    bool wide = false;
+    with_gemm_type(w, [&](auto type) { wide = wide_tiles_fit<decltype(type)::value>(); });
+    return tokens_per_matrix >= 96 && wide ? 128 : 64;
+}
 
 void gemm(const MatvecArgs & args, int64_t max_tiles, int tile_tokens, cudaStream_t s) {
     if (max_tiles <= 0 || args.n_targets <= 0) return;

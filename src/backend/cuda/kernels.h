@@ -126,9 +126,10 @@ int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n);
 // Tensor-core products (gemm.cu) for prefill: the same arguments as matvec (targets, groups, expert tiles, glu,
 // add; split and xq unused), weights decoded to f16 tiles, f32 accumulation. The activations come rounded to
 // f16 in x_f16 (gemm_activations: rows × x_stride values, SwiGLU of x and x_up applied). Tiles hold
-// tile_tokens = gemm_tile_tokens(tokens per weight matrix) tokens (expert products plan their tiles with it):
-// 128, or 64 where the tokens of a matrix (an expert's pairs on average) would leave 128-token tiles mostly empty.
-int gemm_tile_tokens(int64_t tokens_per_matrix);
+// tile_tokens = gemm_tile_tokens(tokens per weight matrix, type) tokens (the smallest over a launch's weight types;
+// expert products plan their tiles with it): 128, or 64 where the tokens of a matrix (an expert's pairs on
+// average) would leave 128-token tiles mostly empty or where the type's 128-token tiles do not fit the device.
+int gemm_tile_tokens(int64_t tokens_per_matrix, GgmlType w);
 // Below this many tokens a product stays on matvec: a 64-token tile would be mostly empty.
 constexpr int kGemmMinTokens = 32;
 bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64, tiles fit shared memory
