@@ -608,7 +608,7 @@ constexpr size_t static_smem() {
 }
 
 // Whether a 64-row × 128-token mma.sync tile takes a ring of 3 steps, not 4: where 4 do not fit a block's shared
-// memory (sm_120 and sm_121, 99 KB: 89 KB for Q8_0 with 3, 110 with 4).
+// memory (sm_120 and sm_121, 99 KB: 87 KB for Q8_0 with 3, 110 with 4).
 template <GgmlType T>
 bool narrow_ring() {
     return GemmSmem<T, 64, 128, false>::bytes + static_smem<T>() > device_smem_optin();
