@@ -6,7 +6,8 @@
 Each file holds the output of `dsv4-cuda-bench flashL.gguf --depth D,... --decode N` (other lines are skipped, a
 tag before "depth" is allowed). For every depth both files measured, time = fixed + layers × per layer, with
 per layer = (large − small) / (large layers − small layers), for the decode step and for the prefill of that
-depth; the decode's share of the weight roofline uses the real model's bytes a token (--gb, 9.546 GB for the q2
+depth (its time taken as depth / rate: the rate has more digits than the printed seconds); the decode's share of
+the weight roofline uses the real model's bytes a token (--gb, 9.546 GB for the q2
 mix) over the measured copy bandwidth (--tbps, 4.3 TB/s on an H200). This is the rule docs/performance.md states;
 the script only saves the arithmetic.
 """
@@ -14,7 +15,7 @@ import argparse
 import re
 import sys
 
-LINE = re.compile(r"depth\s+(\d+): prefill\s+[\d.]+ tok/s \(([\d.]+) s,.*\| decode ([\d.]+) ms/token")
+LINE = re.compile(r"depth\s+(\d+): prefill\s+([\d.]+) tok/s \(([\d.]+) s,.*\| decode ([\d.]+) ms/token")
 
 
 def parse(path):
@@ -23,7 +24,10 @@ def parse(path):
         for line in f:
             m = LINE.search(line)
             if m:
-                runs.setdefault(int(m.group(1)), []).append((float(m.group(2)), float(m.group(3))))
+                # The prefill's seconds from its rate (printed to 5 digits; the seconds have 2 decimals).
+                depth, rate = int(m.group(1)), float(m.group(2))
+                seconds = max(depth, 1) / rate if rate > 0 else float(m.group(3))
+                runs.setdefault(depth, []).append((seconds, float(m.group(4))))
     if not runs:
         sys.exit(f"{path}: no dsv4-cuda-bench 'depth ...: prefill ... | decode ... ms/token' line")
     # Repeated runs of a depth: their mean.
@@ -58,7 +62,7 @@ def main():
         pper = (pl - ps) / span
         ptotal = ps + (a.layers - a.small_layers) * pper
         print(f"{d:>8}  {per * 1000:>9.1f} us  {fixed * 1000:>5.0f} us  {total:>7.2f} ms  {1000 / total:>7.1f}"
-              f"  {100 * roofline_ms / total:>7.1f}%  {pper:>11.2f} s  {ptotal:>9.1f} s  {d / ptotal:>7.0f}")
+              f"  {100 * roofline_ms / total:>7.1f}%  {pper:>11.3f} s  {ptotal:>9.2f} s  {d / ptotal:>7.0f}")
 
 
 if __name__ == "__main__":
