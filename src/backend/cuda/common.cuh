@@ -61,12 +61,15 @@ int device_attribute(int fallback, int floor) {
 // Multiprocessors of the current device.
 inline int device_sms() { return device_attribute<cudaDevAttrMultiProcessorCount>(132, 1); }
 // Dynamic shared memory a block may have on the current device (sm_90: 227 KB; sm_120 and sm_121: 99 KB). Every
-// kernel shape that depends on it asks here, so DSV4_CUDA_SMEM_LIMIT=101376 (bytes; it only lowers the value) makes
-// an H200 take sm_120/121's tiles and shapes: the tests run them there (with DSV4_CUDA_WGMMA=0).
+// kernel shape that depends on it asks here, so DSV4_CUDA_SMEM_LIMIT=101376 (bytes; it only lowers the value, to
+// no less than 48 KB, and a value that is not a number is ignored) makes an H200 take sm_120/121's tiles and
+// shapes: the tests run them there (with DSV4_CUDA_WGMMA=0).
 inline size_t device_smem_optin() {
     static const size_t limit = [] {
         const char * e = std::getenv("DSV4_CUDA_SMEM_LIMIT");
-        return e && *e ? size_t(std::strtoull(e, nullptr, 10)) : SIZE_MAX;
+        char * end = nullptr;
+        const unsigned long long v = e ? std::strtoull(e, &end, 10) : 0;
+        return e && *e && *end == 0 ? std::max<size_t>(size_t(v), 48 * 1024) : SIZE_MAX;
     }();
     return std::min(limit, size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024)));
 }
