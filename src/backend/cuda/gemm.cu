@@ -607,18 +607,27 @@ constexpr size_t static_smem() {
     return 2 * 128 * sizeof(int64_t) + 256 + (T == GgmlType::IQ2_XXS ? sizeof(Iq2TileTables) : 0);
 }
 
+// Whether a block of type T's tiles with this much dynamic shared memory fits the device.
+template <GgmlType T>
+bool block_fits(size_t dynamic_smem) {
+    return dynamic_smem + static_smem<T>() <= device_smem_optin();
+}
 // Whether a 64-row × 128-token mma.sync tile takes a ring of 3 steps, not 4: where 4 do not fit a block's shared
 // memory (sm_120 and sm_121, 99 KB: 87 KB for Q8_0 with 3, 110 with 4).
 template <GgmlType T>
 bool narrow_ring() {
-    return GemmSmem<T, 64, 128, false>::bytes + static_smem<T>() > device_smem_optin();
+    return !block_fits<T>(GemmSmem<T, 64, 128, false>::bytes);
 }
-// The dynamic shared memory a launch of these tiles takes on this device.
+// The dynamic shared memory a launch of these tiles takes on this device, and whether they fit it.
 template <GgmlType T, int ROWS, int BN, bool WG>
 size_t gemm_smem() {
     if constexpr (ROWS == 64 && BN == 128 && !WG)
         if (narrow_ring<T>()) return GemmSmem<T, 64, 128, false, 3>::bytes;
     return GemmSmem<T, ROWS, BN, WG>::bytes;
+}
+template <GgmlType T, int ROWS, int BN, bool WG>
+bool tile_fits() {
+    return block_fits<T>(gemm_smem<T, ROWS, BN, WG>());
 }
 
 template <GgmlType T, bool GLU, int ROWS, int BN, bool WG>
@@ -651,24 +660,12 @@ bool use_wgmma() {
 #endif
 }
 
-// Whether the small tiles of type T fit the device: 64 tokens always, 128 where wide_tiles_fit (sm_120/121 keep F16
-// and BF16 at 64 tokens: their 64 × 128 tiles need 101 KB with a ring of 3).
-template <GgmlType T>
-bool gemm_fits() {
-    return gemm_smem<T, 64, 64, false>() + static_smem<T>() <= device_smem_optin();
-}
-template <GgmlType T>
-bool wide_tiles_fit() {
-    return gemm_smem<T, 64, 128, false>() + static_smem<T>() <= device_smem_optin();
-}
-
 // Whether ROWS-row tiles give the GPU at least two waves of blocks and fit its shared memory.
 template <GgmlType T, int ROWS, bool WG>
 bool tiles_fit(const MatvecArgs & a, int64_t rows, int64_t max_tiles, int tile_tokens) {
-    const size_t smem = tile_tokens == 128 ? gemm_smem<T, ROWS, 128, WG>() : gemm_smem<T, ROWS, 64, WG>();
     const int64_t bm = a.glu ? ROWS / 2 : ROWS;
     return rows / bm * max_tiles * a.groups * tile_tokens / 128 >= 2 * device_sms() &&
-           smem + static_smem<T>() <= device_smem_optin();
+           (tile_tokens == 128 ? tile_fits<T, ROWS, 128, WG>() : tile_fits<T, ROWS, 64, WG>());
 }
 
 template <GgmlType T, int ROWS, bool WG>
@@ -731,7 +728,10 @@ bool aligned16(const void * p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0
 
 bool gemm_supported(GgmlType w, int64_t k) {
     bool fits = false;
-    return with_gemm_type(w, [&](auto type) { fits = gemm_fits<decltype(type)::value>(); }) && fits && k % kBK == 0;
+    // Where the 64-token tiles fit; the 128-token ones only where gemm_tile_tokens finds them fitting too (sm_120/121
+    // keep F16 and BF16 at 64 tokens: their 64 × 128 tiles need 101 KB with a ring of 3).
+    return with_gemm_type(w, [&](auto type) { fits = tile_fits<decltype(type)::value, 64, 64, false>(); }) && fits &&
+           k % kBK == 0;
 }
 
 bool gemm_inputs_aligned(const MatvecArgs & a) {
@@ -748,7 +748,7 @@ void gemm_activations(const float * x, const float * x_up, float limit, int64_t 
 
 int gemm_tile_tokens(int64_t tokens_per_matrix, GgmlType w) {
     bool wide = false;
-    with_gemm_type(w, [&](auto type) { wide = wide_tiles_fit<decltype(type)::value>(); });
+    with_gemm_type(w, [&](auto type) { wide = tile_fits<decltype(type)::value, 64, 128, false>(); });
     return tokens_per_matrix >= 96 && wide ? 128 : 64;
 }
 
