@@ -1220,47 +1220,51 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
 // ---------------------------------------------------------------------------------------------------------------------
 // Sink attention on the tensor cores (prefill)
 // ---------------------------------------------------------------------------------------------------------------------
-// A block per (token, 64 heads): the heads are the rows of a 64 × d query tile, and the token's keys (window,
-// then compressed rows) pass through shared memory 64 at a time as f16. Two passes: the first finds each head's
+// A block per (token, HEADS heads): the heads are the rows of a HEADS × d query tile, and the token's keys (window,
+// then compressed rows) pass through shared memory KEYS at a time as f16. Two passes: the first finds each head's
 // max score and exp-sum, the second forms exp(s - max) in f16 and accumulates P·V, so the accumulators never
 // need the rescaling an online softmax would do (WMMA fragments do not expose their element layout). The
-// scores are computed twice; on the tensor cores that costs less than the key loads.
-constexpr int kTcHeads = 64, kTcKeys = 64, kTcWarps = 8;
+// scores are computed twice; on the tensor cores that costs less than the key loads. 64 heads × 64 keys a tile
+// where a block's shared memory holds them; 32 × 32 at d = 512 on sm_120/121 (72 KB against 157: each key row is
+// then staged by two blocks a token instead of one).
+constexpr int kTcWarps = 8;
 
-template <int D>
+template <int D, int HEADS, int KEYS>
 constexpr size_t attention_tc_smem() {
-    return size_t(kTcHeads + kTcKeys) * (D + 8) * 2  // query tile, key tile (f16)
-           + size_t(kTcHeads) * (kTcKeys + 4) * 4    // scores (f32)
-           + size_t(kTcHeads) * (kTcKeys + 8) * 2    // probabilities (f16)
-           + size_t(2 * kTcHeads) * 4;               // max and exp-sum per head
+    return size_t(HEADS + KEYS) * (D + 8) * 2  // query tile, key tile (f16)
+           + size_t(HEADS) * (KEYS + 4) * 4    // scores (f32)
+           + size_t(HEADS) * (KEYS + 8) * 2    // probabilities (f16)
+           + size_t(2 * HEADS) * 4;            // max and exp-sum per head
 }
 
-template <int D>
+template <int D, int HEADS, int KEYS>
 __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const AttentionArgs a) {
     using namespace nvcuda;
-    constexpr int kLdQ = D + 8, kLdS = kTcKeys + 4, kLdP = kTcKeys + 8, kLdO = D + 4;
+    constexpr int kLdQ = D + 8, kLdS = KEYS + 4, kLdP = KEYS + 8, kLdO = D + 4;
     extern __shared__ __align__(128) uint8_t smem[];
-    half * qs = reinterpret_cast<half *>(smem);                         // [64 heads][kLdQ]
-    half * ks = qs + kTcHeads * kLdQ;                                   // [64 keys][kLdQ]
-    float * ss = reinterpret_cast<float *>(ks + kTcKeys * kLdQ);        // [64 heads][kLdS]
-    half * ps = reinterpret_cast<half *>(ss + kTcHeads * kLdS);         // [64 heads][kLdP]
-    float * row_max = reinterpret_cast<float *>(ps + kTcHeads * kLdP);  // [64]
-    float * row_sum = row_max + kTcHeads;                               // [64]
-    float * os = reinterpret_cast<float *>(smem);  // after the passes: [64 heads][kLdO] over the q and k tiles
-    __shared__ const float * key_ptr[kTcKeys];
+    half * qs = reinterpret_cast<half *>(smem);                      // [HEADS][kLdQ]
+    half * ks = qs + HEADS * kLdQ;                                   // [KEYS][kLdQ]
+    float * ss = reinterpret_cast<float *>(ks + KEYS * kLdQ);        // [HEADS][kLdS]
+    half * ps = reinterpret_cast<half *>(ss + HEADS * kLdS);         // [HEADS][kLdP]
+    float * row_max = reinterpret_cast<float *>(ps + HEADS * kLdP);  // [HEADS]
+    float * row_sum = row_max + HEADS;                               // [HEADS]
+    float * os = reinterpret_cast<float *>(smem);  // after the passes: [HEADS][kLdO] over the q and k tiles
+    static_assert(HEADS * kLdO * 4 <= (HEADS + KEYS) * kLdQ * 2, "the output tile stays clear of row_max, row_sum");
+    __shared__ const float * key_ptr[KEYS];
 
     pdl_begin();
-    const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * kTcHeads;
+    const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * HEADS;
     const KeyList kl = key_list(a, a.positions[t]);
     const int64_t nk = kl.nw + kl.nc;
     const int warp = threadIdx.x / 32, tid = threadIdx.x;
 
-    // 64 rows of D floats (src(r), or null for a row of zeros) into a tile of f16 rows: a thread's groups of 8 values
-    // are loaded kBatch at a time before any is converted, so a tile costs 16 / kBatch memory round trips at d = 512,
-    // not one a group (prefill at 128K: +2.3 % tokens a second, session 22).
-    static_assert(kTcHeads == 64 && kTcKeys == 64, "a tile is 64 rows");
-    constexpr int kGroups = 64 * (D / 8), kBatch = 4;
-    auto stage = [&](half * dst, auto src) {
+    // R rows of D floats (src(r), or null for a row of zeros) into a tile of f16 rows: a thread's groups of 8 values
+    // are loaded kBatch at a time before any is converted, so a 64-row tile costs 16 / kBatch memory round trips at
+    // d = 512, not one a group (prefill at 128K: +2.3 % tokens a second, session 22).
+    static_assert(HEADS % 16 == 0 && KEYS % 16 == 0, "16-row wmma tiles");
+    constexpr int kBatch = 4;
+    auto stage = [&](auto rows, half * dst, auto src) {
+        constexpr int kGroups = decltype(rows)::value * (D / 8);
         for (int g0 = tid; g0 < kGroups; g0 += kBatch * kTcWarps * 32) {
             float4 x[kBatch][2];
 #pragma unroll
@@ -1282,57 +1286,70 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
             }
         }
     };
-    stage(qs, [&](int h) { return h0 + h < a.heads ? a.q + (t * a.heads + h0 + h) * D : nullptr; });
-    if (tid < kTcHeads) {
+    stage(std::integral_constant<int, HEADS>(), qs,
+          [&](int h) { return h0 + h < a.heads ? a.q + (t * a.heads + h0 + h) * D : nullptr; });
+    if (tid < HEADS) {
         row_max[tid] = -INFINITY;
         row_sum[tid] = 0.0f;
     }
     // Keys [j0, j0 + 64) into ks (unused selection slots and keys past the end: zero rows, marked null).
     auto load_keys = [&](int64_t j0) {
-        if (tid < kTcKeys) key_ptr[tid] = j0 + tid < nk ? key_row(a, kl, t, j0 + tid) : nullptr;
+        if (tid < KEYS) key_ptr[tid] = j0 + tid < nk ? key_row(a, kl, t, j0 + tid) : nullptr;
         __syncthreads();
-        stage(ks, [&](int k) { return key_ptr[k]; });
+        stage(std::integral_constant<int, KEYS>(), ks, [&](int k) { return key_ptr[k]; });
         __syncthreads();
     };
-    // Scores of the 64 heads × 64 keys into ss: warp w takes head tile w / 2 and key tiles 2 (w % 2) + {0, 1}.
+    // Scores of the HEADS heads × KEYS keys into ss: warp w takes the 16 × 16 tiles kSt · w .. + kSt - 1 (row-major
+    // over head tiles × key tiles; at 64 × 64, head tile w / 2 and key tiles 2 (w % 2) + {0, 1}); at 32 × 32 half
+    // the warps have no tile.
+    constexpr int kKeyTiles = KEYS / 16, kScoreTiles = HEADS / 16 * kKeyTiles;
+    constexpr int kSt = kScoreTiles >= kTcWarps ? kScoreTiles / kTcWarps : 1;
+    static_assert(kScoreTiles % kSt == 0 && kKeyTiles % kSt == 0, "a warp's score tiles share their head tile");
     auto scores = [&]() {
-        const int ht = warp / 2, kt0 = (warp % 2) * 2;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf[2];
-        wmma::fill_fragment(sf[0], 0.0f);
-        wmma::fill_fragment(sf[1], 0.0f);
-        for (int kk = 0; kk < D; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
-            wmma::load_matrix_sync(qf, qs + ht * 16 * kLdQ + kk, kLdQ);
+        if (warp * kSt < kScoreTiles) {
+            const int ht = warp * kSt / kKeyTiles, kt0 = warp * kSt % kKeyTiles;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf[kSt];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, ks + (kt0 + j) * 16 * kLdQ + kk, kLdQ);
-                wmma::mma_sync(sf[j], qf, kf, sf[j]);
+            for (int j = 0; j < kSt; ++j) wmma::fill_fragment(sf[j], 0.0f);
+            for (int kk = 0; kk < D; kk += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
+                wmma::load_matrix_sync(qf, qs + ht * 16 * kLdQ + kk, kLdQ);
+#pragma unroll
+                for (int j = 0; j < kSt; ++j) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
+                    wmma::load_matrix_sync(kf, ks + (kt0 + j) * 16 * kLdQ + kk, kLdQ);
+                    wmma::mma_sync(sf[j], qf, kf, sf[j]);
+                }
             }
-        }
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-            wmma::store_matrix_sync(ss + ht * 16 * kLdS + (kt0 + j) * 16, sf[j], kLdS, wmma::mem_row_major);
+            for (int j = 0; j < kSt; ++j)
+                wmma::store_matrix_sync(ss + ht * 16 * kLdS + (kt0 + j) * 16, sf[j], kLdS, wmma::mem_row_major);
+        }
         __syncthreads();
     };
-    // Four threads per head row, 16 keys each.
-    const int row = tid / 4, part = tid % 4;
+    // kRowThreads threads per head row (4 at 64 heads, 8 at 32), kPart keys each.
+    constexpr int kRowThreads = kTcWarps * 32 / HEADS, kPart = KEYS / kRowThreads;
+    static_assert(kRowThreads >= 1 && kRowThreads <= 32 && KEYS % kRowThreads == 0, "rows split within a warp");
+    const int row = tid / kRowThreads, part = tid % kRowThreads;
+    auto row_reduce = [](float v, auto op) {
+#pragma unroll
+        for (int o = 1; o < kRowThreads; o *= 2) v = op(v, __shfl_xor_sync(kFull, v, o));
+        return v;
+    };
 
-    for (int64_t j0 = 0; j0 < nk; j0 += kTcKeys) {
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
         load_keys(j0);
         scores();
         float m = -INFINITY;
-        for (int k = part * 16; k < part * 16 + 16; ++k)
+        for (int k = part * kPart; k < part * kPart + kPart; ++k)
             if (key_ptr[k]) m = fmaxf(m, ss[row * kLdS + k] * a.scale);
-        m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
-        m = fmaxf(m, __shfl_xor_sync(kFull, m, 2));
+        m = row_reduce(m, [](float x, float y) { return fmaxf(x, y); });
         const float m_old = row_max[row], m_new = fmaxf(m_old, m);
         float sum = 0.0f;
         if (m_new != -INFINITY)
-            for (int k = part * 16; k < part * 16 + 16; ++k)
+            for (int k = part * kPart; k < part * kPart + kPart; ++k)
                 if (key_ptr[k]) sum += expf(ss[row * kLdS + k] * a.scale - m_new);
-        sum += __shfl_xor_sync(kFull, sum, 1);
-        sum += __shfl_xor_sync(kFull, sum, 2);
+        sum = row_reduce(sum, [](float x, float y) { return x + y; });
         __syncthreads();  // every thread has read row_max before it changes
         if (part == 0 && m_new != -INFINITY) {
             row_sum[row] = (m_old == -INFINITY ? 0.0f : row_sum[row] * expf(m_old - m_new)) + sum;
@@ -1340,16 +1357,16 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
         }
     }
 
-    // Warp w accumulates output tiles f = w·(D/32) + j: head tile f / (D/16), channel tile f % (D/16).
-    constexpr int kTilesPerWarp = D / 32;
+    // Warp w accumulates output tiles f = w·kTilesPerWarp + j: head tile f / (D/16), channel tile f % (D/16).
+    constexpr int kTilesPerWarp = HEADS / 16 * (D / 16) / kTcWarps;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[kTilesPerWarp];
 #pragma unroll
     for (int j = 0; j < kTilesPerWarp; ++j) wmma::fill_fragment(of[j], 0.0f);
-    for (int64_t j0 = 0; j0 < nk; j0 += kTcKeys) {
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
         load_keys(j0);
         scores();
         const float m = row_max[row];
-        for (int k = part * 16; k < part * 16 + 16; ++k)
+        for (int k = part * kPart; k < part * kPart + kPart; ++k)
             ps[row * kLdP + k] =
                 __float2half_rn(key_ptr[k] && m != -INFINITY ? expf(ss[row * kLdS + k] * a.scale - m) : 0.0f);
         __syncthreads();
@@ -1357,7 +1374,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
         for (int j = 0; j < kTilesPerWarp; ++j) {
             const int f = warp * kTilesPerWarp + j, ht = f / (D / 16), ct = f % (D / 16);
 #pragma unroll
-            for (int kk = 0; kk < kTcKeys; kk += 16) {
+            for (int kk = 0; kk < KEYS; kk += 16) {
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> pf;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major> vf;
                 wmma::load_matrix_sync(pf, ps + ht * 16 * kLdP + kk, kLdP);
@@ -1374,7 +1391,7 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
     }
     __syncthreads();
     // The sink joins the denominator, as in attention_kernel's one-split case.
-    for (int g = tid; g < kTcHeads * D; g += kTcWarps * 32) {
+    for (int g = tid; g < HEADS * D; g += kTcWarps * 32) {
         const int h = g / D, c = g % D;
         if (h0 + h >= a.heads) break;
         const float m = row_max[h], sink = a.sinks[h0 + h];
@@ -1384,22 +1401,33 @@ __global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const Atten
     }
 }
 
+// Whether the 64 × 64 tiles of width D fit a block (else 32 × 32).
 template <int D>
-void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
-    const dim3 grid(unsigned(a.n), unsigned((a.heads + kTcHeads - 1) / kTcHeads));
-    launch(attention_tc_kernel<D>, grid, dim3(kTcWarps * 32), attention_tc_smem<D>(), s, a);
+bool attention_wide_tiles() {
+    return attention_tc_smem<D, 64, 64>() + 1024 <= device_smem_optin();  // + key_ptr
 }
 
-size_t attention_tc_smem(int64_t dim) {  // SIZE_MAX: no kernel for that width
+template <int D>
+void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
+    const auto run = [&](auto kernel, int heads, size_t smem) {
+        launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads)), dim3(kTcWarps * 32), smem, s, a);
+    };
+    if (attention_wide_tiles<D>())
+        run(attention_tc_kernel<D, 64, 64>, 64, attention_tc_smem<D, 64, 64>());
+    else
+        run(attention_tc_kernel<D, 32, 32>, 32, attention_tc_smem<D, 32, 32>());
+}
+
+size_t attention_tc_smem(int64_t dim) {  // the smallest tiles' bytes; SIZE_MAX: no kernel for that width
     switch (dim) {
         case 64:
-            return attention_tc_smem<64>();
+            return attention_tc_smem<64, 32, 32>();
         case 128:
-            return attention_tc_smem<128>();
+            return attention_tc_smem<128, 32, 32>();
         case 256:
-            return attention_tc_smem<256>();
+            return attention_tc_smem<256, 32, 32>();
         case 512:
-            return attention_tc_smem<512>();
+            return attention_tc_smem<512, 32, 32>();
         default:
             return SIZE_MAX;
     }
@@ -1519,7 +1547,8 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
 }
 
-// Prefill chunks on the tiles, where a block's shared memory holds them (d = 512 needs 157 KB: not on sm_120/121).
+// Prefill chunks on the tiles, where a block's shared memory holds them (at d = 512: 157 KB for 64 × 64 tiles, 72
+// KB for sm_120/121's 32 × 32).
 bool attention_tensor_cores(int64_t dim, int64_t n) {
     return n >= kGemmMinTokens && attention_tc_smem(dim) <= device_smem_optin() - 1024;
 }
