@@ -1221,213 +1221,247 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
 // Sink attention on the tensor cores (prefill)
 // ---------------------------------------------------------------------------------------------------------------------
 // A block per (token, HEADS heads): the heads are the rows of a HEADS × d query tile, and the token's keys (window,
-// then compressed rows) pass through shared memory KEYS at a time as f16. Two passes: the first finds each head's
-// max score and exp-sum, the second forms exp(s - max) in f16 and accumulates P·V, so the accumulators never
-// need the rescaling an online softmax would do (WMMA fragments do not expose their element layout). The
-// scores are computed twice; on the tensor cores that costs less than the key loads. 64 heads × 64 keys a tile
-// where a block's shared memory holds them; 32 × 32 at d = 512 on sm_120/121 (72 KB against 157: each key row is
-// then staged by two blocks a token instead of one).
-constexpr int kTcWarps = 8;
-
-template <int D, int HEADS, int KEYS>
+// then compressed rows) pass through shared memory KEYS at a time as f16. One pass with an online softmax on
+// mma.sync tiles, whose accumulator layout is known (lane 4g + c holds rows g and g + 8 of its 16-row tile), so a
+// warp rescales its own output rows when their max grows; until session 26 two WMMA passes (max and sum, then P·V)
+// staged and scored every key twice. The warps form HEADS / 16 head tiles × kGroups groups: warp w takes head tile
+// w % (HEADS / 16) and, of each key tile, group w / (HEADS / 16)'s keys for the scores and its d / kGroups channels
+// for the output; a row's max is agreed through shared memory, its sum is added up once at the end.
+template <int D, int HEADS, int KEYS, int WARPS>
 constexpr size_t attention_tc_smem() {
-    return size_t(HEADS + KEYS) * (D + 8) * 2  // query tile, key tile (f16)
-           + size_t(HEADS) * (KEYS + 4) * 4    // scores (f32)
-           + size_t(HEADS) * (KEYS + 8) * 2    // probabilities (f16)
-           + size_t(2 * HEADS) * 4;            // max and exp-sum per head
+    return size_t(HEADS + KEYS) * (D + 8) * 2          // query tile, key tile (f16)
+           + size_t(HEADS) * (KEYS + 8) * 2            // probabilities (f16)
+           + size_t(WARPS / (HEADS / 16)) * HEADS * 4  // each group's row maxima (then sums)
+           + size_t(KEYS) * sizeof(const float *);     // the key tile's rows
 }
 
-template <int D, int HEADS, int KEYS>
-__global__ void __launch_bounds__(kTcWarps * 32) attention_tc_kernel(const AttentionArgs a) {
-    using namespace nvcuda;
-    constexpr int kLdQ = D + 8, kLdS = KEYS + 4, kLdP = KEYS + 8, kLdO = D + 4;
+template <int D, int HEADS, int KEYS, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const AttentionArgs a) {
+    constexpr int kThreads = WARPS * 32, kLd = D + 8, kLdP = KEYS + 8;
+    constexpr int kHeadTiles = HEADS / 16, kGroups = WARPS / kHeadTiles;
+    constexpr int kGroupKeys = KEYS / kGroups, kGroupChannels = D / kGroups;
+    constexpr int kKeyN8 = kGroupKeys / 8, kChannelN8 = kGroupChannels / 8;
+    static_assert(WARPS % kHeadTiles == 0 && kGroupKeys % 8 == 0 && (kKeyN8 == 1 || kKeyN8 % 2 == 0) &&
+                      kChannelN8 % 2 == 0 && KEYS % 16 == 0,
+                  "a warp's keys and channels are whole 8-column tiles");
     extern __shared__ __align__(128) uint8_t smem[];
-    half * qs = reinterpret_cast<half *>(smem);                      // [HEADS][kLdQ]
-    half * ks = qs + HEADS * kLdQ;                                   // [KEYS][kLdQ]
-    float * ss = reinterpret_cast<float *>(ks + KEYS * kLdQ);        // [HEADS][kLdS]
-    half * ps = reinterpret_cast<half *>(ss + HEADS * kLdS);         // [HEADS][kLdP]
-    float * row_max = reinterpret_cast<float *>(ps + HEADS * kLdP);  // [HEADS]
-    float * row_sum = row_max + HEADS;                               // [HEADS]
-    float * os = reinterpret_cast<float *>(smem);  // after the passes: [HEADS][kLdO] over the q and k tiles
-    static_assert(HEADS * kLdO * 4 <= (HEADS + KEYS) * kLdQ * 2, "the output tile stays clear of row_max, row_sum");
-    __shared__ const float * key_ptr[KEYS];
+    half * qs = reinterpret_cast<half *>(smem);                        // [HEADS][kLd]
+    half * ks = qs + HEADS * kLd;                                      // [KEYS][kLd] keys = values
+    half * ps = ks + KEYS * kLd;                                       // [HEADS][kLdP]
+    float * group_red = reinterpret_cast<float *>(ps + HEADS * kLdP);  // [kGroups][HEADS]
+    const float ** key_ptr = reinterpret_cast<const float **>(group_red + kGroups * HEADS);  // [KEYS]
 
     pdl_begin();
     const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * HEADS;
     const KeyList kl = key_list(a, a.positions[t]);
     const int64_t nk = kl.nw + kl.nc;
-    const int warp = threadIdx.x / 32, tid = threadIdx.x;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
+    const int head_tile = warp % kHeadTiles, group = warp / kHeadTiles;
+    const int r0 = head_tile * 16 + g, r1 = r0 + 8;  // this lane's two head rows
+    const int key0 = group * kGroupKeys, ch0 = group * kGroupChannels;
 
     // R rows of D floats (src(r), or null for a row of zeros) into a tile of f16 rows: a thread's groups of 8 values
-    // are loaded kBatch at a time before any is converted, so a 64-row tile costs 16 / kBatch memory round trips at
-    // d = 512, not one a group (prefill at 128K: +2.3 % tokens a second, session 22).
-    static_assert(HEADS % 16 == 0 && KEYS % 16 == 0, "16-row wmma tiles");
+    // are loaded kBatch at a time before any is converted, so a 64-row tile costs few memory round trips at d = 512,
+    // not one a group (prefill at 128K: +2.3 % tokens a second, session 22). A zero row's loads read the query
+    // instead and are dropped: guarded as `p ? __ldg(p) : 0`, the 512-thread kernel at d = 128 still read address 0
+    // (compute-sanitizer, session 26).
     constexpr int kBatch = 4;
     auto stage = [&](auto rows, half * dst, auto src) {
-        constexpr int kGroups = decltype(rows)::value * (D / 8);
-        for (int g0 = tid; g0 < kGroups; g0 += kBatch * kTcWarps * 32) {
+        constexpr int kRowGroups = decltype(rows)::value * (D / 8);
+        for (int g0 = tid; g0 < kRowGroups; g0 += kBatch * kThreads) {
             float4 x[kBatch][2];
 #pragma unroll
             for (int b = 0; b < kBatch; ++b) {
-                const int g = g0 + b * kTcWarps * 32;
-                const float * row = g < kGroups ? src(g / (D / 8)) : nullptr;
-                const float4 * p = reinterpret_cast<const float4 *>(row ? row + (g % (D / 8)) * 8 : nullptr);
-                x[b][0] = p ? __ldg(p) : make_float4(0, 0, 0, 0);
-                x[b][1] = p ? __ldg(p + 1) : make_float4(0, 0, 0, 0);
+                const int gi = g0 + b * kThreads;
+                const float * row = gi < kRowGroups ? src(gi / (D / 8)) : nullptr;
+                const float4 * p = reinterpret_cast<const float4 *>(row ? row + (gi % (D / 8)) * 8 : a.q);
+                x[b][0] = __ldg(p);
+                x[b][1] = __ldg(p + 1);
+                if (!row) x[b][0] = x[b][1] = make_float4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int b = 0; b < kBatch; ++b) {
-                const int g = g0 + b * kTcWarps * 32;
-                if (g >= kGroups) break;
+                const int gi = g0 + b * kThreads;
+                if (gi >= kRowGroups) break;
                 const half2 h[4] = {__floats2half2_rn(x[b][0].x, x[b][0].y), __floats2half2_rn(x[b][0].z, x[b][0].w),
                                     __floats2half2_rn(x[b][1].x, x[b][1].y), __floats2half2_rn(x[b][1].z, x[b][1].w)};
-                *reinterpret_cast<uint4 *>(dst + (g / (D / 8)) * kLdQ + (g % (D / 8)) * 8) =
+                *reinterpret_cast<uint4 *>(dst + (gi / (D / 8)) * kLd + (gi % (D / 8)) * 8) =
                     *reinterpret_cast<const uint4 *>(h);
             }
         }
     };
     stage(std::integral_constant<int, HEADS>(), qs,
           [&](int h) { return h0 + h < a.heads ? a.q + (t * a.heads + h0 + h) * D : nullptr; });
-    if (tid < HEADS) {
-        row_max[tid] = -INFINITY;
-        row_sum[tid] = 0.0f;
-    }
-    // Keys [j0, j0 + 64) into ks (unused selection slots and keys past the end: zero rows, marked null).
-    auto load_keys = [&](int64_t j0) {
+
+    float out[kChannelN8][4] = {};             // rows r0 ([0], [1]) and r1 ([2], [3]), channels ch0 + 8j + 2c4 + {0, 1}
+    float max0 = -INFINITY, max1 = -INFINITY;  // the rows' max so far (every group agrees)
+    float sum0 = 0.0f, sum1 = 0.0f;            // exp-sums of this lane's keys so far, at the running max
+    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
+        // Keys [j0, j0 + KEYS) into ks (unused selection slots and keys past the end: zero rows, marked null). The
+        // previous tile's last reads of ks and ps end before this barrier; of key_ptr and group_red, before the
+        // previous probabilities were written.
         if (tid < KEYS) key_ptr[tid] = j0 + tid < nk ? key_row(a, kl, t, j0 + tid) : nullptr;
         __syncthreads();
         stage(std::integral_constant<int, KEYS>(), ks, [&](int k) { return key_ptr[k]; });
         __syncthreads();
-    };
-    // Scores of the HEADS heads × KEYS keys into ss: warp w takes the 16 × 16 tiles kSt · w .. + kSt - 1 (row-major
-    // over head tiles × key tiles; at 64 × 64, head tile w / 2 and key tiles 2 (w % 2) + {0, 1}); at 32 × 32 half
-    // the warps have no tile.
-    constexpr int kKeyTiles = KEYS / 16, kScoreTiles = HEADS / 16 * kKeyTiles;
-    constexpr int kSt = kScoreTiles >= kTcWarps ? kScoreTiles / kTcWarps : 1;
-    static_assert(kScoreTiles % kSt == 0 && kKeyTiles % kSt == 0, "a warp's score tiles share their head tile");
-    auto scores = [&]() {
-        if (warp * kSt < kScoreTiles) {
-            const int ht = warp * kSt / kKeyTiles, kt0 = warp * kSt % kKeyTiles;
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf[kSt];
+
+        float score[kKeyN8][4] = {};
+        for (int kk = 0; kk < D; kk += 16) {
+            uint32_t af[4];
+            ldmatrix_a(af, qs + head_tile * 16 * kLd + kk, kLd, lane);
+            if constexpr (kKeyN8 == 1) {
+                uint32_t b[2];
+                ldmatrix_b1(b, ks + key0 * kLd + kk, kLd, lane);
+                mma_16816(score[0], af, b[0], b[1]);
+            } else {
 #pragma unroll
-            for (int j = 0; j < kSt; ++j) wmma::fill_fragment(sf[j], 0.0f);
-            for (int kk = 0; kk < D; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> qf;
-                wmma::load_matrix_sync(qf, qs + ht * 16 * kLdQ + kk, kLdQ);
-#pragma unroll
-                for (int j = 0; j < kSt; ++j) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> kf;
-                    wmma::load_matrix_sync(kf, ks + (kt0 + j) * 16 * kLdQ + kk, kLdQ);
-                    wmma::mma_sync(sf[j], qf, kf, sf[j]);
+                for (int n = 0; n < kKeyN8; n += 2) {
+                    uint32_t b[4];
+                    ldmatrix_b2(b, ks + (key0 + 8 * n) * kLd + kk, kLd, lane);
+                    mma_16816(score[n], af, b[0], b[1]);
+                    mma_16816(score[n + 1], af, b[2], b[3]);
                 }
             }
+        }
+        float tile0 = -INFINITY, tile1 = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < kSt; ++j)
-                wmma::store_matrix_sync(ss + ht * 16 * kLdS + (kt0 + j) * 16, sf[j], kLdS, wmma::mem_row_major);
+        for (int n = 0; n < kKeyN8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool valid = key_ptr[key0 + 8 * n + 2 * c4 + e] != nullptr;
+                score[n][e] = valid ? score[n][e] * a.scale : -INFINITY;
+                score[n][2 + e] = valid ? score[n][2 + e] * a.scale : -INFINITY;
+                tile0 = fmaxf(tile0, score[n][e]);
+                tile1 = fmaxf(tile1, score[n][2 + e]);
+            }
+#pragma unroll
+        for (int o = 1; o < 4; o *= 2) {
+            tile0 = fmaxf(tile0, __shfl_xor_sync(kFull, tile0, o));
+            tile1 = fmaxf(tile1, __shfl_xor_sync(kFull, tile1, o));
+        }
+        if (c4 == 0) {
+            group_red[group * HEADS + r0] = tile0;
+            group_red[group * HEADS + r1] = tile1;
         }
         __syncthreads();
-    };
-    // kRowThreads threads per head row (4 at 64 heads, 8 at 32), kPart keys each.
-    constexpr int kRowThreads = kTcWarps * 32 / HEADS, kPart = KEYS / kRowThreads;
-    static_assert(kRowThreads >= 1 && kRowThreads <= 32 && KEYS % kRowThreads == 0, "rows split within a warp");
-    const int row = tid / kRowThreads, part = tid % kRowThreads;
-    auto row_reduce = [](float v, auto op) {
+        float new0 = max0, new1 = max1;
 #pragma unroll
-        for (int o = 1; o < kRowThreads; o *= 2) v = op(v, __shfl_xor_sync(kFull, v, o));
-        return v;
-    };
-
-    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
-        load_keys(j0);
-        scores();
-        float m = -INFINITY;
-        for (int k = part * kPart; k < part * kPart + kPart; ++k)
-            if (key_ptr[k]) m = fmaxf(m, ss[row * kLdS + k] * a.scale);
-        m = row_reduce(m, [](float x, float y) { return fmaxf(x, y); });
-        const float m_old = row_max[row], m_new = fmaxf(m_old, m);
-        float sum = 0.0f;
-        if (m_new != -INFINITY)
-            for (int k = part * kPart; k < part * kPart + kPart; ++k)
-                if (key_ptr[k]) sum += expf(ss[row * kLdS + k] * a.scale - m_new);
-        sum = row_reduce(sum, [](float x, float y) { return x + y; });
-        __syncthreads();  // every thread has read row_max before it changes
-        if (part == 0 && m_new != -INFINITY) {
-            row_sum[row] = (m_old == -INFINITY ? 0.0f : row_sum[row] * expf(m_old - m_new)) + sum;
-            row_max[row] = m_new;
+        for (int q = 0; q < kGroups; ++q) {
+            new0 = fmaxf(new0, group_red[q * HEADS + r0]);
+            new1 = fmaxf(new1, group_red[q * HEADS + r1]);
         }
-    }
-
-    // Warp w accumulates output tiles f = w·kTilesPerWarp + j: head tile f / (D/16), channel tile f % (D/16).
-    constexpr int kTilesPerWarp = HEADS / 16 * (D / 16) / kTcWarps;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[kTilesPerWarp];
+        // A row with no visible key yet keeps max -inf, zero probabilities and a zero output.
+        const float alpha0 = new0 == -INFINITY ? 0.0f : expf(max0 - new0);
+        const float alpha1 = new1 == -INFINITY ? 0.0f : expf(max1 - new1);
+        max0 = new0;
+        max1 = new1;
+        sum0 *= alpha0;
+        sum1 *= alpha1;
 #pragma unroll
-    for (int j = 0; j < kTilesPerWarp; ++j) wmma::fill_fragment(of[j], 0.0f);
-    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
-        load_keys(j0);
-        scores();
-        const float m = row_max[row];
-        for (int k = part * kPart; k < part * kPart + kPart; ++k)
-            ps[row * kLdP + k] =
-                __float2half_rn(key_ptr[k] && m != -INFINITY ? expf(ss[row * kLdS + k] * a.scale - m) : 0.0f);
+        for (int n = 0; n < kKeyN8; ++n) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                p[e] = new0 == -INFINITY ? 0.0f : expf(score[n][e] - new0);
+                p[2 + e] = new1 == -INFINITY ? 0.0f : expf(score[n][2 + e] - new1);
+            }
+            sum0 += p[0] + p[1];
+            sum1 += p[2] + p[3];
+            const int col = key0 + 8 * n + 2 * c4;
+            *reinterpret_cast<half2 *>(ps + r0 * kLdP + col) = __floats2half2_rn(p[0], p[1]);
+            *reinterpret_cast<half2 *>(ps + r1 * kLdP + col) = __floats2half2_rn(p[2], p[3]);
+        }
+#pragma unroll
+        for (int j = 0; j < kChannelN8; ++j) {
+            out[j][0] *= alpha0;
+            out[j][1] *= alpha0;
+            out[j][2] *= alpha1;
+            out[j][3] *= alpha1;
+        }
         __syncthreads();
+
+        // P (16 heads × KEYS) · V (KEYS × this group's channels); V is the key tile read through the transposing load.
 #pragma unroll
-        for (int j = 0; j < kTilesPerWarp; ++j) {
-            const int f = warp * kTilesPerWarp + j, ht = f / (D / 16), ct = f % (D / 16);
+        for (int kk = 0; kk < KEYS; kk += 16) {
+            uint32_t af[4];
+            ldmatrix_a(af, ps + head_tile * 16 * kLdP + kk, kLdP, lane);
 #pragma unroll
-            for (int kk = 0; kk < KEYS; kk += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> pf;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::row_major> vf;
-                wmma::load_matrix_sync(pf, ps + ht * 16 * kLdP + kk, kLdP);
-                wmma::load_matrix_sync(vf, ks + kk * kLdQ + ct * 16, kLdQ);
-                wmma::mma_sync(of[j], pf, vf, of[j]);
+            for (int j = 0; j < kChannelN8; j += 2) {
+                uint32_t b[4];
+                ldmatrix_b2_trans(b, ks + kk * kLd + ch0 + 8 * j, kLd, lane);
+                mma_16816(out[j], af, b[0], b[1]);
+                mma_16816(out[j + 1], af, b[2], b[3]);
             }
         }
-        __syncthreads();
     }
+
+    // The rows' exp-sums: over the quad's lanes, then over the groups (group_red's maxima were last read before
+    // the previous barrier).
 #pragma unroll
-    for (int j = 0; j < kTilesPerWarp; ++j) {
-        const int f = warp * kTilesPerWarp + j, ht = f / (D / 16), ct = f % (D / 16);
-        wmma::store_matrix_sync(os + ht * 16 * kLdO + ct * 16, of[j], kLdO, wmma::mem_row_major);
+    for (int o = 1; o < 4; o *= 2) {
+        sum0 += __shfl_xor_sync(kFull, sum0, o);
+        sum1 += __shfl_xor_sync(kFull, sum1, o);
     }
     __syncthreads();
-    // The sink joins the denominator, as in attention_kernel's one-split case.
-    for (int g = tid; g < HEADS * D; g += kTcWarps * 32) {
-        const int h = g / D, c = g % D;
-        if (h0 + h >= a.heads) break;
-        const float m = row_max[h], sink = a.sinks[h0 + h];
+    if (c4 == 0) {
+        group_red[group * HEADS + r0] = sum0;
+        group_red[group * HEADS + r1] = sum1;
+    }
+    __syncthreads();
+    // The sink joins the denominator, as in attention_kernel's one-split case; the inverse rope of the last
+    // out_n_rot channels (adjacent pairs, as a lane holds them) as the rows are written.
+#pragma unroll
+    for (int half_row = 0; half_row < 2; ++half_row) {
+        const int r = half_row ? r1 : r0;
+        if (h0 + r >= a.heads) continue;
+        float total = 0.0f;
+#pragma unroll
+        for (int q = 0; q < kGroups; ++q) total += group_red[q * HEADS + r];
+        const float m = half_row ? max1 : max0, sink = a.sinks[h0 + r];
         const float mf = fmaxf(m, sink);
         const float corr = m == -INFINITY ? 0.0f : expf(m - mf);
-        a.out[(t * a.heads + h0 + h) * D + c] = os[h * kLdO + c] * corr / (row_sum[h] * corr + expf(sink - mf));
+        const float denom = total * corr + expf(sink - mf);
+        float * dst = a.out + (t * a.heads + h0 + r) * D;
+#pragma unroll
+        for (int j = 0; j < kChannelN8; ++j) {
+            const int c = ch0 + 8 * j + 2 * c4;
+            float v[2] = {out[j][2 * half_row] * corr / denom, out[j][2 * half_row + 1] * corr / denom};
+            if (a.out_n_rot > 0 && c >= D - a.out_n_rot)
+                rope_pair(v, float(a.positions[t]), a.out_inv_freq[(c - (D - a.out_n_rot)) / 2], true);
+            *reinterpret_cast<float2 *>(dst + c) = make_float2(v[0], v[1]);
+        }
     }
 }
 
-// Whether the 64 × 64 tiles of width D fit a block (else 32 × 32).
+// 64 heads × 64 keys a tile on 16 warps where a block's shared memory holds them (141 KB at d = 512), else 32 heads ×
+// 32 keys on 8 (68 KB: sm_120/121 at d = 512, where each key row is then staged by two blocks a token). On the H200
+// 64 × 64 on 8 warps was 5 % slower, 32 heads × 64 keys as fast (session 26).
 template <int D>
-bool attention_wide_tiles() {
-    return attention_tc_smem<D, 64, 64>() + 1024 <= device_smem_optin();  // + key_ptr
+constexpr size_t attention_wide_smem() {
+    return attention_tc_smem<D, 64, 64, 16>();
 }
 
 template <int D>
 void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
-    const auto run = [&](auto kernel, int heads, size_t smem) {
-        launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads)), dim3(kTcWarps * 32), smem, s, a);
+    const auto run = [&](auto kernel, int heads, int warps, size_t smem) {
+        launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads)), dim3(warps * 32), smem, s, a);
     };
-    if (attention_wide_tiles<D>())
-        run(attention_tc_kernel<D, 64, 64>, 64, attention_tc_smem<D, 64, 64>());
+    if (attention_wide_smem<D>() <= device_smem_optin())
+        run(attention_tc_kernel<D, 64, 64, 16>, 64, 16, attention_wide_smem<D>());
     else
-        run(attention_tc_kernel<D, 32, 32>, 32, attention_tc_smem<D, 32, 32>());
+        run(attention_tc_kernel<D, 32, 32, 8>, 32, 8, attention_tc_smem<D, 32, 32, 8>());
 }
 
 size_t attention_tc_smem(int64_t dim) {  // the smallest tiles' bytes; SIZE_MAX: no kernel for that width
     switch (dim) {
         case 64:
-            return attention_tc_smem<64, 32, 32>();
+            return attention_tc_smem<64, 32, 32, 8>();
         case 128:
-            return attention_tc_smem<128, 32, 32>();
+            return attention_tc_smem<128, 32, 32, 8>();
         case 256:
-            return attention_tc_smem<256, 32, 32>();
+            return attention_tc_smem<256, 32, 32, 8>();
         case 512:
-            return attention_tc_smem<512, 32, 32>();
+            return attention_tc_smem<512, 32, 32, 8>();
         default:
             return SIZE_MAX;
     }
@@ -1547,10 +1581,9 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
 }
 
-// Prefill chunks on the tiles, where a block's shared memory holds them (at d = 512: 157 KB for 64 × 64 tiles, 72
-// KB for sm_120/121's 32 × 32).
+// Prefill chunks on the tiles, where a block's shared memory holds the smallest of them.
 bool attention_tensor_cores(int64_t dim, int64_t n) {
-    return n >= kGemmMinTokens && attention_tc_smem(dim) <= device_smem_optin() - 1024;
+    return n >= kGemmMinTokens && attention_tc_smem(dim) <= device_smem_optin();
 }
 
 void attention(const AttentionArgs & a, cudaStream_t s) {
@@ -1569,8 +1602,6 @@ void attention(const AttentionArgs & a, cudaStream_t s) {
             default:
                 launch_attention_tc<512>(a, s);
         }
-        // The tiles' outputs leave through shared memory in f32 row pieces: turned back by a separate launch.
-        if (a.out_n_rot > 0) rope(a.out, a.n, a.heads, a.dim, a.out_inv_freq, a.out_n_rot, a.positions, true, s);
         return;
     }
     const int splits = attention_splits(a);

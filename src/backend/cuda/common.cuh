@@ -164,6 +164,22 @@ __device__ __forceinline__ void ldmatrix_b2(uint32_t (&r)[4], const T * p, int l
     ldmatrix_x4(r, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
 }
 
+// One 8-column tile of B stored [n][k]: matrices (n 0-7, k 0-7), (0-7, 8-15) from lanes 0-15's addresses.
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b1(uint32_t (&r)[2], const T * p, int ld, int lane) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p + (lane & 7) * ld + ((lane >> 3) & 1) * 8)));
+}
+// B stored [k][n] (row-major K × N), two 8-column tiles through the transposing load: matrices (k 0-7, n 0-7),
+// (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), so r[0..1] is columns 0-7's operand and r[2..3] columns 8-15's.
+template <typename T>
+__device__ __forceinline__ void ldmatrix_b2_trans(uint32_t (&r)[4], const T * p, int ld, int lane) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p + (lane & 15) * ld + (lane >> 4) * 8)));
+}
+
 // c += a (16×16, row-major) · b (16×8, column-major): f16 operands, or bf16 ones (BF16), f32 accumulators.
 template <bool BF16 = false>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
