@@ -398,11 +398,16 @@ __global__ void __launch_bounds__(kThreadsHc) hc_partial_tc_kernel(HcArgs a, int
     // 16-byte aligned; rows past n_mix and columns past the end zero.
     const bool whole = width == kHcChunk;
     if (whole && a.fn.ne0 % 8 == 0 && (reinterpret_cast<uintptr_t>(fn) & 15) == 0) {
-        for (int i = threadIdx.x; i < kHcTcRows * kHcChunk / 8; i += kThreadsHc) {
-            const int r = i / (kHcChunk / 8), c = i % (kHcChunk / 8) * 8;
+        // The rows past n_mix take a loop of their own, so no load is formed for them: a guarded __ldg was issued
+        // anyway in attention_tc_kernel (address 0, session 26).
+        constexpr int kGroups = kHcChunk / 8;
+        for (int i = threadIdx.x; i < n_mix * kGroups; i += kThreadsHc) {
+            const int r = i / kGroups, c = i % kGroups * 8;
             *reinterpret_cast<uint4 *>(fn_s + r * kHcTcLd + c) =
-                r < n_mix ? __ldg(reinterpret_cast<const uint4 *>(fn + r * a.fn.ne0 + e0 + c)) : make_uint4(0, 0, 0, 0);
+                __ldg(reinterpret_cast<const uint4 *>(fn + r * a.fn.ne0 + e0 + c));
         }
+        for (int i = n_mix * kGroups + threadIdx.x; i < kHcTcRows * kGroups; i += kThreadsHc)
+            *reinterpret_cast<uint4 *>(fn_s + i / kGroups * kHcTcLd + i % kGroups * 8) = make_uint4(0, 0, 0, 0);
     } else {
         for (int i = threadIdx.x; i < kHcTcRows * kHcChunk; i += kThreadsHc) {
             const int r = i / kHcChunk, c = i % kHcChunk;
