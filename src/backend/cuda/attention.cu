@@ -1605,9 +1605,9 @@ static bool takes_tiles(const AttentionArgs & a) {
 int attention_splits(const AttentionArgs & a) {
     if (takes_tiles(a)) {
         if (a.n >= kGemmMinTokens) return 1;
-        const int64_t want = std::max<int64_t>(1, device_sms() / (a.n * ((a.heads + 63) / 64)));
+        const int64_t want = std::clamp<int64_t>(device_sms() / (a.n * ((a.heads + 63) / 64)), 1, kMaxSplits);
         const int64_t tiles_per_split = (max_keys(a) + 64 * want - 1) / (64 * want);
-        return int(std::min<int64_t>((max_keys(a) + 64 * tiles_per_split - 1) / (64 * tiles_per_split), kMaxSplits));
+        return int((max_keys(a) + 64 * tiles_per_split - 1) / (64 * tiles_per_split));  // none of them empty
     }
     const int64_t groups = (a.heads + kAttnWarps - 1) / kAttnWarps;
     const int64_t want = (int64_t(device_sms()) * 2 + a.n * groups - 1) / (a.n * groups);
