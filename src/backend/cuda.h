@@ -36,11 +36,12 @@ std::string cuda_device_summary();
 
 // Whether a CUDA backend with tensor_cores on runs a product of n tokens (weights of this type, rows of width k)
 // on the tensor cores rather than on the integer dot products; the same for an expert layer of n_pairs
-// (token, expert) pairs, and for attention over n tokens with heads of head_dim channels (f16 queries, keys and
-// probabilities instead of f32). Tests choose their reference by it.
+// (token, expert) pairs, and for attention over n tokens with heads of head_dim channels and up to `keys` keys a
+// token (the window plus the selected or stored compressed rows; f16 queries, keys and probabilities instead of
+// f32). Tests choose their reference by it.
 bool cuda_tensor_core_product(GgmlType type, int64_t k, int64_t n);
 bool cuda_tensor_core_moe(GgmlType gate, GgmlType down, int64_t dim, int64_t inner, int64_t n_pairs, int64_t n_expert);
-bool cuda_tensor_core_attention(int64_t head_dim, int64_t n);
+bool cuda_tensor_core_attention(int64_t head_dim, int64_t n, int64_t keys);
 
 // Free and total device memory of a device in bytes (cudaMemGetInfo); {0, 0} when it cannot be queried.
 struct CudaMemoryInfo {

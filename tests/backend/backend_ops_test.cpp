@@ -956,10 +956,12 @@ TEST(Ops, Attention) {
     for (const Case & c : {Case{"flash csa decode", 1, 64, 512, 128, 800, 4, 512, 3100},
                            Case{"flash csa n=5", 5, 64, 512, 128, 800, 4, 512, 2000},
                            Case{"flash hca decode", 1, 64, 512, 128, 300, 128, 0, 30000},
-                           // decode over many keys: an HCA layer at 1M context, three tokens at 256K, and a
-                           // capacity of many rows with few of them visible
+                           // decode over many keys: an HCA layer at 1M context (one and three tokens: on the
+                           // tensor cores, keys split over blocks), three tokens at 256K, and a capacity of many
+                           // rows with few of them visible
                            Case{"flash hca decode 1M", 1, 64, 512, 128, 8200, 128, 0, 1049000},
                            Case{"flash hca n=3 at 256K", 3, 64, 512, 128, 2100, 128, 0, 262000},
+                           Case{"flash hca n=3 at 1M", 3, 64, 512, 128, 8200, 128, 0, 1049000},
                            Case{"flash hca decode, 23 of 1000 rows", 1, 64, 512, 128, 1000, 128, 0, 3000},
                            Case{"flash hca n=48", 48, 64, 512, 128, 300, 128, 0, 30000},
                            Case{"flash sliding decode", 1, 64, 512, 128, 0, 0, 0, 77},
@@ -1007,11 +1009,11 @@ TEST(Ops, Attention) {
         gpu().attention(q.g, raw.g, bp.g, c.window, cg, sinks.g, scale, out.g, nullptr);
         cpu().attention(q.c, raw.c, bp.c, c.window, cc, sinks.c, scale, out.c, nullptr);
         // Tensor cores: queries, keys and probabilities in f16 (f32 scores and sums).
-        const bool tc = cuda_tensor_core_attention(c.dim, c.n);
+        const double keys = double(c.window + (c.top_k > 0 ? c.top_k : c.cap));
+        const bool tc = cuda_tensor_core_attention(c.dim, c.n, int64_t(keys));
         const std::string name = std::string(tc ? "attention (tensor cores) " : "attention ") + c.name;
         // f32: the CPU sums in another order; over many keys the error grows and the output's RMS falls (a mean of
         // more values), so the bound grows with the keys (8323 at 1M: 2.3e-5 measured).
-        const double keys = double(c.window + (c.top_k > 0 ? c.top_k : c.cap));
         compare(name, out, tc ? 1e-2 : 2e-5 * std::max(1.0, keys / 2048.0));
         // The output turned back by the query's angle inside the op: attention then the inverse rope, exactly.
         const int64_t n_rot = std::min<int64_t>(64, c.dim / 2);

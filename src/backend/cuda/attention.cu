@@ -1236,7 +1236,7 @@ constexpr size_t attention_tc_smem() {
 }
 
 template <int D, int HEADS, int KEYS, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const AttentionArgs a) {
+__global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const AttentionArgs a, int64_t per_split) {
     constexpr int kThreads = WARPS * 32, kLd = D + 8, kLdP = KEYS + 8;
     constexpr int kHeadTiles = HEADS / 16, kGroups = WARPS / kHeadTiles;
     constexpr int kGroupKeys = KEYS / kGroups, kGroupChannels = D / kGroups;
@@ -1254,7 +1254,9 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
     pdl_begin();
     const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * HEADS;
     const KeyList kl = key_list(a, a.positions[t]);
-    const int64_t nk = kl.nw + kl.nc;
+    // Decode splits the token's keys over gridDim.z blocks (per_split each; the combine merges them), prefill not.
+    const int64_t j_begin = int64_t(blockIdx.z) * per_split;
+    const int64_t nk = std::min(kl.nw + kl.nc, j_begin + per_split);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
     const int head_tile = warp % kHeadTiles, group = warp / kHeadTiles;
     const int r0 = head_tile * 16 + g, r1 = r0 + 8;  // this lane's two head rows
@@ -1296,7 +1298,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
     float out[kChannelN8][4] = {};             // rows r0 ([0], [1]) and r1 ([2], [3]), channels ch0 + 8j + 2c4 + {0, 1}
     float max0 = -INFINITY, max1 = -INFINITY;  // the rows' max so far (every group agrees)
     float sum0 = 0.0f, sum1 = 0.0f;            // exp-sums of this lane's keys so far, at the running max
-    for (int64_t j0 = 0; j0 < nk; j0 += KEYS) {
+    for (int64_t j0 = j_begin; j0 < nk; j0 += KEYS) {
         // Keys [j0, j0 + KEYS) into ks (unused selection slots and keys past the end: zero rows, marked null). The
         // previous tile's last reads of ks and ps end before this barrier; of key_ptr and group_red, before the
         // previous probabilities were written.
@@ -1409,7 +1411,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
     }
     __syncthreads();
     // The sink joins the denominator, as in attention_kernel's one-split case; the inverse rope of the last
-    // out_n_rot channels (adjacent pairs, as a lane holds them) as the rows are written.
+    // out_n_rot channels (adjacent pairs, as a lane holds them) as the rows are written. A split writes its
+    // partial (max, denominator, numerators) instead, as attention_kernel's splits do.
 #pragma unroll
     for (int half_row = 0; half_row < 2; ++half_row) {
         const int r = half_row ? r1 : r0;
@@ -1417,7 +1420,22 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
         float total = 0.0f;
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) total += group_red[q * HEADS + r];
-        const float m = half_row ? max1 : max0, sink = a.sinks[h0 + r];
+        const float m = half_row ? max1 : max0;
+        if (gridDim.z > 1) {
+            float * part = a.partial + ((t * a.heads + h0 + r) * gridDim.z + blockIdx.z) * (D + 2);
+            if (group == 0 && c4 == 0) {
+                part[0] = m;
+                part[1] = total;
+            }
+#pragma unroll
+            for (int j = 0; j < kChannelN8; ++j) {
+                const int c = ch0 + 8 * j + 2 * c4;
+                part[2 + c] = out[j][2 * half_row];
+                part[3 + c] = out[j][2 * half_row + 1];
+            }
+            continue;
+        }
+        const float sink = a.sinks[h0 + r];
         const float mf = fmaxf(m, sink);
         const float corr = m == -INFINITY ? 0.0f : expf(m - mf);
         const float denom = total * corr + expf(sink - mf);
@@ -1442,9 +1460,10 @@ constexpr size_t attention_wide_smem() {
 }
 
 template <int D>
-void launch_attention_tc(const AttentionArgs & a, cudaStream_t s) {
+void launch_attention_tc(const AttentionArgs & a, int splits, int64_t per_split, cudaStream_t s) {
     const auto run = [&](auto kernel, int heads, int warps, size_t smem) {
-        launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads)), dim3(warps * 32), smem, s, a);
+        launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads), unsigned(splits)), dim3(warps * 32),
+               smem, s, a, per_split);
     };
     if (attention_wide_smem<D>() <= device_smem_optin())
         run(attention_tc_kernel<D, 64, 64, 16>, 64, 16, attention_wide_smem<D>());
@@ -1565,11 +1584,31 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
     launch(indexer_topk_kernel, dim3(unsigned(a.n)), dim3(kTopkThreads), 0, s, a);
 }
 
-// Two blocks per multiprocessor, each split at least 8 keys (two steps of kKeys = 4 for 512-wide heads): a warp's
-// steps are dependent (loads, dot product, shuffles, exp), so a decode step's time is about its longest split.
-// (At least 32 keys per split, as before session 7, left a sliding-window layer's 64 heads on 32 blocks of 8
-// steps each.)
+// Decode launches whose keys reach this many (an HCA layer's compressed rows from ~512K of context) take the
+// tensor-core tiles, their keys split over the multiprocessors. Below it the CUDA-core kernel's splits are faster
+// (session 22: 14 µs at 128K against 38–44 for the two-pass tiles); at 1M it took 87 µs.
+constexpr int64_t kTcDecodeKeys = 4096;
+
+bool attention_tensor_cores(int64_t dim, int64_t n, int64_t keys) {
+    return attention_tc_smem(dim) <= device_smem_optin() && (n >= kGemmMinTokens || keys >= kTcDecodeKeys);
+}
+
+static bool takes_tiles(const AttentionArgs & a) {
+    return a.tensor_cores && attention_tensor_cores(a.dim, a.n, max_keys(a));
+}
+
+// CUDA cores: two blocks per multiprocessor, each split at least 8 keys (two steps of kKeys = 4 for 512-wide heads):
+// a warp's steps are dependent (loads, dot product, shuffles, exp), so a decode step's time is about its longest
+// split. (At least 32 keys per split, as before session 7, left a sliding-window layer's 64 heads on 32 blocks of 8
+// steps each.) Tiles: none for prefill; at decode one block of up to 64 heads a multiprocessor (one fits), each
+// split whole 64-key tiles.
 int attention_splits(const AttentionArgs & a) {
+    if (takes_tiles(a)) {
+        if (a.n >= kGemmMinTokens) return 1;
+        const int64_t want = std::clamp<int64_t>(device_sms() / (a.n * ((a.heads + 63) / 64)), 1, kMaxSplits);
+        const int64_t tiles_per_split = (max_keys(a) + 64 * want - 1) / (64 * want);
+        return int((max_keys(a) + 64 * tiles_per_split - 1) / (64 * tiles_per_split));  // none of them empty
+    }
     const int64_t groups = (a.heads + kAttnWarps - 1) / kAttnWarps;
     const int64_t want = (int64_t(device_sms()) * 2 + a.n * groups - 1) / (a.n * groups);
     const int64_t most = std::max<int64_t>(1, (max_keys(a) + 7) / 8);
@@ -1581,46 +1620,42 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
 }
 
-// Prefill chunks on the tiles, where a block's shared memory holds the smallest of them.
-bool attention_tensor_cores(int64_t dim, int64_t n) {
-    return n >= kGemmMinTokens && attention_tc_smem(dim) <= device_smem_optin();
-}
-
 void attention(const AttentionArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
-    if (a.tensor_cores && attention_tensor_cores(a.dim, a.n)) {
-        switch (a.dim) {
-            case 64:
-                launch_attention_tc<64>(a, s);
-                break;
-            case 128:
-                launch_attention_tc<128>(a, s);
-                break;
-            case 256:
-                launch_attention_tc<256>(a, s);
-                break;
-            default:
-                launch_attention_tc<512>(a, s);
-        }
-        return;
-    }
     const int splits = attention_splits(a);
     const int64_t per_split = (max_keys(a) + splits - 1) / splits;
-    const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));
-    // A lane's values of a head (DPL): 512-wide heads 16, narrower ones the next power of two.
-    const int dpl = a.dim <= 32 ? 1 : a.dim <= 64 ? 2 : a.dim <= 128 ? 4 : a.dim <= 256 ? 8 : 16;
-    const size_t smem = 2 * size_t(attention_chunk_keys(32 * dpl)) * size_t(32 * dpl) * sizeof(float);
-    const auto run = [&](auto kernel) { launch(kernel, grid, dim3(kAttnWarps * 32), smem, s, a, per_split); };
-    if (dpl == 1)
-        run(attention_kernel<1>);
-    else if (dpl == 2)
-        run(attention_kernel<2>);
-    else if (dpl == 4)
-        run(attention_kernel<4>);
-    else if (dpl == 8)
-        run(attention_kernel<8>);
-    else
-        run(attention_kernel<16>);
+    if (takes_tiles(a)) {
+        const int64_t tile_split = (per_split + 63) / 64 * 64;  // whole tiles: no split pays for a partial one
+        switch (a.dim) {
+            case 64:
+                launch_attention_tc<64>(a, splits, tile_split, s);
+                break;
+            case 128:
+                launch_attention_tc<128>(a, splits, tile_split, s);
+                break;
+            case 256:
+                launch_attention_tc<256>(a, splits, tile_split, s);
+                break;
+            default:
+                launch_attention_tc<512>(a, splits, tile_split, s);
+        }
+    } else {
+        const dim3 grid(unsigned((a.heads + kAttnWarps - 1) / kAttnWarps), unsigned(splits), unsigned(a.n));
+        // A lane's values of a head (DPL): 512-wide heads 16, narrower ones the next power of two.
+        const int dpl = a.dim <= 32 ? 1 : a.dim <= 64 ? 2 : a.dim <= 128 ? 4 : a.dim <= 256 ? 8 : 16;
+        const size_t smem = 2 * size_t(attention_chunk_keys(32 * dpl)) * size_t(32 * dpl) * sizeof(float);
+        const auto run = [&](auto kernel) { launch(kernel, grid, dim3(kAttnWarps * 32), smem, s, a, per_split); };
+        if (dpl == 1)
+            run(attention_kernel<1>);
+        else if (dpl == 2)
+            run(attention_kernel<2>);
+        else if (dpl == 4)
+            run(attention_kernel<4>);
+        else if (dpl == 8)
+            run(attention_kernel<8>);
+        else
+            run(attention_kernel<16>);
+    }
     if (splits > 1)
         launch(attention_combine_kernel, dim3(unsigned(a.n * a.heads)),
                dim3(unsigned(std::clamp<int64_t>((a.dim / 2 + 31) / 32 * 32, 32, 256))), 0, s, a, splits);

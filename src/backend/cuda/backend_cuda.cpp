@@ -1152,7 +1152,9 @@ bool cuda_tensor_core_moe(GgmlType gate, GgmlType down, int64_t dim, int64_t inn
     return cuda::gemm_supported(gate, dim) && cuda::gemm_supported(down, inner) && n_pairs >= 8 * n_expert;
 }
 
-bool cuda_tensor_core_attention(int64_t head_dim, int64_t n) { return cuda::attention_tensor_cores(head_dim, n); }
+bool cuda_tensor_core_attention(int64_t head_dim, int64_t n, int64_t keys) {
+    return cuda::attention_tensor_cores(head_dim, n, keys);
+}
 
 uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t f = sizeof(float);

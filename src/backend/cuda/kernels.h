@@ -316,8 +316,9 @@ struct AttentionArgs {
     float * partial = nullptr;  // scratch: attention_partial_floats(...)
     bool tensor_cores = false;  // prefill on the tensor cores (f16 queries, keys and probabilities) where it applies
 };
-// Whether attention over n tokens of head width dim runs on the tensor cores (when a.tensor_cores is set).
-bool attention_tensor_cores(int64_t dim, int64_t n);
+// Whether attention over n tokens of head width dim, each with up to `keys` keys (the window plus the selected or
+// stored compressed rows), runs on the tensor cores (when a.tensor_cores is set).
+bool attention_tensor_cores(int64_t dim, int64_t n, int64_t keys);
 // Key splits the launch uses and the scratch floats they need.
 int attention_splits(const AttentionArgs & a);
 int64_t attention_partial_floats(const AttentionArgs & a);
