@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 namespace dsv4::cuda {
 
@@ -1235,7 +1236,7 @@ constexpr size_t attention_tc_smem() {
            + size_t(KEYS) * sizeof(const float *);     // the key tile's rows
 }
 
-template <int D, int HEADS, int KEYS, int WARPS>
+template <int D, int HEADS, int KEYS, int WARPS, bool SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const AttentionArgs a, int64_t per_split) {
     constexpr int kThreads = WARPS * 32, kLd = D + 8, kLdP = KEYS + 8;
     constexpr int kHeadTiles = HEADS / 16, kGroups = WARPS / kHeadTiles;
@@ -1254,7 +1255,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
     pdl_begin();
     const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * HEADS;
     const KeyList kl = key_list(a, a.positions[t]);
-    // Decode splits the token's keys over gridDim.z blocks (per_split each; the combine merges them), prefill not.
+    // SPLIT (decode): the token's keys split over gridDim.z blocks, per_split each, whose partials the combine merges.
     const int64_t j_begin = int64_t(blockIdx.z) * per_split;
     const int64_t nk = std::min(kl.nw + kl.nc, j_begin + per_split);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c4 = lane % 4;
@@ -1421,32 +1422,30 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
 #pragma unroll
         for (int q = 0; q < kGroups; ++q) total += group_red[q * HEADS + r];
         const float m = half_row ? max1 : max0;
-        if (gridDim.z > 1) {
+        if constexpr (SPLIT) {
             float * part = a.partial + ((t * a.heads + h0 + r) * gridDim.z + blockIdx.z) * (D + 2);
             if (group == 0 && c4 == 0) {
                 part[0] = m;
                 part[1] = total;
             }
 #pragma unroll
-            for (int j = 0; j < kChannelN8; ++j) {
-                const int c = ch0 + 8 * j + 2 * c4;
-                part[2 + c] = out[j][2 * half_row];
-                part[3 + c] = out[j][2 * half_row + 1];
-            }
+            for (int j = 0; j < kChannelN8; ++j)
+                *reinterpret_cast<float2 *>(part + 2 + ch0 + 8 * j + 2 * c4) =
+                    make_float2(out[j][2 * half_row], out[j][2 * half_row + 1]);
             continue;
         }
         const float sink = a.sinks[h0 + r];
         const float mf = fmaxf(m, sink);
         const float corr = m == -INFINITY ? 0.0f : expf(m - mf);
-        const float denom = total * corr + expf(sink - mf);
+        const float weight = corr / (total * corr + expf(sink - mf));
         float * dst = a.out + (t * a.heads + h0 + r) * D;
 #pragma unroll
         for (int j = 0; j < kChannelN8; ++j) {
             const int c = ch0 + 8 * j + 2 * c4;
-            float v[2] = {out[j][2 * half_row] * corr / denom, out[j][2 * half_row + 1] * corr / denom};
+            float v[2] = {out[j][2 * half_row] * weight, out[j][2 * half_row + 1] * weight};
             if (a.out_n_rot > 0 && c >= D - a.out_n_rot)
                 rope_pair(v, float(a.positions[t]), a.out_inv_freq[(c - (D - a.out_n_rot)) / 2], true);
-            *reinterpret_cast<float2 *>(dst + c) = make_float2(v[0], v[1]);
+            __stwb(reinterpret_cast<float2 *>(dst + c), make_float2(v[0], v[1]));  // nvcc split a plain float2 store
         }
     }
 }
@@ -1465,10 +1464,18 @@ void launch_attention_tc(const AttentionArgs & a, int splits, int64_t per_split,
         launch(kernel, dim3(unsigned(a.n), unsigned((a.heads + heads - 1) / heads), unsigned(splits)), dim3(warps * 32),
                smem, s, a, per_split);
     };
-    if (attention_wide_smem<D>() <= device_smem_optin())
-        run(attention_tc_kernel<D, 64, 64, 16>, 64, 16, attention_wide_smem<D>());
+    // Prefill's kernel carries no split code (with it, 8K prefill was 0.5 % slower: session 27).
+    const auto tiles = [&](auto split) {
+        constexpr bool kSplit = decltype(split)::value;
+        if (attention_wide_smem<D>() <= device_smem_optin())
+            run(attention_tc_kernel<D, 64, 64, 16, kSplit>, 64, 16, attention_wide_smem<D>());
+        else
+            run(attention_tc_kernel<D, 32, 32, 8, kSplit>, 32, 8, attention_tc_smem<D, 32, 32, 8>());
+    };
+    if (splits > 1)
+        tiles(std::true_type());
     else
-        run(attention_tc_kernel<D, 32, 32, 8>, 32, 8, attention_tc_smem<D, 32, 32, 8>());
+        tiles(std::false_type());
 }
 
 size_t attention_tc_smem(int64_t dim) {  // the smallest tiles' bytes; SIZE_MAX: no kernel for that width
