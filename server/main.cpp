@@ -26,7 +26,8 @@ int main(int argc, char ** argv) {
         ->check(CLI::Range(1, 64));
     app.add_option("-t,--threads", o.engine.n_threads, "CPU threads (default: all)");
     app.add_option("--ubatch", o.engine.n_ubatch,
-                   "prefill chunk (default on a GPU 8192 when the context fits with it, else 2048; 256 on the CPU)")
+                   "prefill chunk (default on a GPU 16384 or 8192 when the context fits with it, else 2048; 256 on "
+                   "the CPU)")
         ->check(CLI::Range(1, 1 << 20));
     app.add_option("--numerics", o.engine.numerics, "official (DeepSeek's KV/indexer rounding) or reference");
     app.add_option("--backend", o.engine.backend, "cpu, cuda or auto (cuda when a GPU is present)");

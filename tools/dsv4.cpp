@@ -18,8 +18,8 @@ int main(int argc, char ** argv) {
     app.add_option("--gpu", opts.gpu, "CUDA device index");
     app.add_option("-t,--threads", opts.threads, "CPU threads (default: all)");
     app.add_option("--ubatch", opts.ubatch,
-                   "prefill chunk size (1: token by token; default on a GPU 8192 when the context fits with it, else "
-                   "2048; 256 on the CPU)")
+                   "prefill chunk size (1: token by token; default on a GPU 16384 or 8192 when the context fits with "
+                   "it, else 2048; 256 on the CPU)")
         ->check(CLI::Range(1, 1 << 20));
     app.add_option("-c,--ctx", opts.ctx, "context length");
     app.add_flag("--plan", opts.plan, "print the memory needed for --ctx (weights, KV state, scratch) and exit");

@@ -147,8 +147,8 @@ class Engine {
     // The most GPU memory the engine has held at once (weights, KV states, workspace, scratch); 0 on the CPU.
     virtual uint64_t peak_device_bytes() const = 0;
     // The memory plan of options' model with n_sessions sessions of n_ctx tokens on the backend the options pick
-    // (n_ctx 0: the largest context). With options.n_ubatch 0 on a GPU, the plan's n_ubatch is 8192 when that
-    // context fits with it, else 2048. Reads the file's header only; throws dsv4::Error for a bad file.
+    // (n_ctx 0: the largest context). With options.n_ubatch 0 on a GPU, the plan's n_ubatch is 16384 or 8192
+    // when that context fits with it, else 2048. Reads the file's header only; throws dsv4::Error for a bad file.
     static MemoryPlan plan(const EngineOptions & options, int64_t n_ctx, int n_sessions = 1);
     static constexpr int64_t kContextStep = 4096;  // the plan's largest context is a multiple of this
 };

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <utility>
 
 using namespace dsv4;
 namespace fs = std::filesystem;
@@ -270,38 +271,45 @@ TEST(CudaModelQuantized, MixesMatchCpu) {
     }
 }
 
-// Engine::plan's chunk size on a GPU: 8192 when the planned context fits with it, 2048 when only the smaller chunk
-// fits (sessions enough to fill the device at 2048), an explicit --ubatch kept.
+// Engine::plan's chunk size on a GPU: 16384 when the planned context fits with it, else 8192 when that fits, else
+// 2048 (sessions enough to fill the device with the smaller chunk, which then do not fit with the larger), an
+// explicit --ubatch kept.
 TEST(CudaEnginePlan, LargeChunkOnlyWhenItFits) {
     EngineOptions o;
     o.model_path = gguf("hf-small-seed1", StorageMix::f32);
     o.backend = "cuda";
     const MemoryPlan automatic = Engine::plan(o, 4096);
     ASSERT_TRUE(automatic.fits());
-    EXPECT_EQ(automatic.n_ubatch, 8192);
+    EXPECT_EQ(automatic.n_ubatch, 16384);
     o.n_ubatch = 512;
     EXPECT_EQ(Engine::plan(o, 4096).n_ubatch, 512);
-    o.n_ubatch = 2048;
-    const MemoryPlan small = Engine::plan(o, 4096);
-    o.n_ubatch = 8192;
-    const MemoryPlan large = Engine::plan(o, 4096);
-    ASSERT_GT(large.kv_per_session(), small.kv_per_session());  // the raw ring holds window + ubatch - 1 rows
-    // The most sessions that fit with 2048-token chunks; with 8192 they must not.
-    const uint64_t fixed = small.weights + small.workspace + small.scratch + small.reserve;
-    ASSERT_LT(fixed, small.available);
-    // (One fewer than the most, so that free memory moving by a little between the calls does not matter.)
-    const uint64_t sessions = (small.available - fixed) / small.kv_per_session() - 1;
-    if (sessions > uint64_t(INT32_MAX) ||
-        large.weights + large.workspace + large.scratch + large.reserve + sessions * large.kv_per_session() <=
-            large.available)
-        GTEST_SKIP() << "no session count separates the two chunk sizes on this device";
-    o.n_ubatch = 0;
-    const MemoryPlan fallback = Engine::plan(o, 4096, int(sessions));
-    EXPECT_TRUE(fallback.fits());
-    EXPECT_EQ(fallback.n_ubatch, 2048);
-    std::printf("plan: 8192 for one session of 4096; %llu sessions fit only with 2048 (%.1f of %.1f GiB)\n",
-                static_cast<unsigned long long>(sessions), double(fallback.total()) / double(1 << 30),
-                double(fallback.available) / double(1 << 30));
+    int separated = 0;
+    for (const auto & [smaller, larger] : {std::pair<int64_t, int64_t>{2048, 8192}, {8192, 16384}}) {
+        o.n_ubatch = smaller;
+        const MemoryPlan small = Engine::plan(o, 4096);
+        o.n_ubatch = larger;
+        const MemoryPlan large = Engine::plan(o, 4096);
+        ASSERT_GT(large.kv_per_session(), small.kv_per_session());  // the raw ring holds window + ubatch - 1 rows
+        // The most sessions that fit with the smaller chunk, if with the larger they do not. (One fewer than the
+        // most, so that free memory moving by a little between the calls does not matter.)
+        const uint64_t fixed = small.weights + small.workspace + small.scratch + small.reserve;
+        ASSERT_LT(fixed, small.available);
+        const uint64_t sessions = (small.available - fixed) / small.kv_per_session() - 1;
+        if (sessions > uint64_t(INT32_MAX) ||
+            large.weights + large.workspace + large.scratch + large.reserve + sessions * large.kv_per_session() <=
+                large.available)
+            continue;
+        o.n_ubatch = 0;
+        const MemoryPlan fallback = Engine::plan(o, 4096, int(sessions));
+        EXPECT_TRUE(fallback.fits());
+        EXPECT_EQ(fallback.n_ubatch, smaller);
+        std::printf("plan: %llu sessions of 4096 fit with chunks of %lld, not %lld (%.1f of %.1f GiB)\n",
+                    static_cast<unsigned long long>(sessions), static_cast<long long>(smaller),
+                    static_cast<long long>(larger), double(fallback.total()) / double(1 << 30),
+                    double(fallback.available) / double(1 << 30));
+        ++separated;
+    }
+    if (separated == 0) GTEST_SKIP() << "no session count separates the chunk sizes on this device";
 }
 
 }  // namespace
