@@ -1,5 +1,5 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
-//   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048] [--warmup N]
+//   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048] [--warmup N] [--layer-checks]
 //                                                                              prefill to each depth, then decode
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
 // Decode timings include the per-token host work of the engine's path: Model::eval (the token's and position's
@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -41,7 +42,7 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              int64_t n_warmup, Numerics numerics, const CudaBackendOptions & options) {
+              int64_t n_warmup, bool layer_checks, Numerics numerics, const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
@@ -69,8 +70,11 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         model.eval(*model.new_state(depth + 1), std::span<const int32_t>(prompt.data(), n_first), LogitsMode::last,
                    nullptr);
         const double first_s = first.seconds();
+        // As the server's and the chat's prefills do, a progress function lets chunks of kLayerCheckTokens or more
+        // stop between layers (each layer then waits for the one before).
+        const std::function<bool(int64_t)> keep_going = [](int64_t) { return true; };
         Timer pf;
-        model.eval(*state, prompt, LogitsMode::last, nullptr);
+        model.eval(*state, prompt, LogitsMode::last, nullptr, layer_checks ? keep_going : nullptr);
         const double pf_s = pf.seconds();
         // Two warm-up steps (the first runs eagerly, the second captures the graph), then timed greedy steps that
         // take their token as the engine's sampler does: from the device's candidates (their argmax), not from
@@ -275,7 +279,7 @@ int main(int argc, char ** argv) {
     std::string model, depths = "1,2048", numerics_arg = "official";
     int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0;
     int gpu = 0;
-    bool kernels = false, profile = false, no_tensor_cores = false;
+    bool kernels = false, profile = false, no_tensor_cores = false, layer_checks = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
     app.add_option("model", model, "GGUF model (synthetic: dsv4-synth)");
     app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
@@ -283,6 +287,8 @@ int main(int argc, char ** argv) {
     app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
     app.add_option("--warmup", n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
+    app.add_flag("--layer-checks", layer_checks,
+                 "time the prefill with a progress function, as the server runs it (long chunks wait between layers)");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
     app.add_flag("--no-tensor-cores", no_tensor_cores,
@@ -304,7 +310,7 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, numerics, options);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, layer_checks, numerics, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

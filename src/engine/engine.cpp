@@ -220,10 +220,12 @@ class SessionImpl final : public Session {
         const int64_t before = state_->n_past();
         std::lock_guard<std::mutex> lock(engine_.eval_mutex());
         bool done = false;
+        // No progress function, no checks (a long chunk that may stop waits for each layer before the next).
+        std::function<bool(int64_t)> model_progress;
+        if (progress) model_progress = [&](int64_t n) { return progress(n, int64_t(tokens.size())); };
         try {
             done = engine_.model().eval(*state_, tokens, all_logits ? LogitsMode::all : LogitsMode::last,
-                                        all_logits ? logits_.data() : nullptr,
-                                        [&](int64_t n) { return !progress || progress(n, int64_t(tokens.size())); });
+                                        all_logits ? logits_.data() : nullptr, model_progress);
         } catch (...) {
             // A failed evaluation leaves the state at an unknown point inside the chunk: start over.
             clear();

@@ -56,6 +56,7 @@ struct Model::Workspace {
     Tensor cand_values;  // F32 [k]
     Tensor cand_stats;   // F32 [4]: max, log-sum, count, argmax
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
+    Tensor frontier_backup;  // F32 [frontier_bytes / 4]: a state's frontiers before a chunk that may stop
 
     Tensor inv_freq[3];  // F32 [n_rot / 2]: the RoPE frequencies of each LayerKind
 
@@ -101,6 +102,7 @@ struct Model::Workspace {
         cand_values = make_tensor(GgmlType::F32, base ? base + k : nullptr, k);
         cand_stats = make_tensor(GgmlType::F32, base ? base + 2 * k : nullptr, 4);
         if (with_mtp_cat) mtp_cat = make(GgmlType::F32, n, 2 * D, c.hc);
+        frontier_backup = make(GgmlType::F32, 1, std::max<int64_t>(int64_t(plan_kv(c, 1, 1).frontier_bytes / 4), 1));
     }
 
     uint64_t bytes = 0;
@@ -181,13 +183,18 @@ bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mo
         DSV4_CHECK(t >= 0 && t < config_.n_vocab, "token id {} outside the vocabulary [0, {})", t, config_.n_vocab);
     for (int64_t done = 0; done < n_total;) {
         const int64_t n = std::min(n_ubatch_, n_total - done);
+        std::function<bool(int64_t)> between_layers;
+        if (progress && n >= layer_check_tokens_)
+            between_layers = [&](int64_t layers) { return progress(done + n * layers / config_.n_layer); };
         const bool last_chunk = done + n == n_total;
         const LogitsMode chunk_mode = mode == LogitsMode::all ? LogitsMode::all
                                       : last_chunk             ? mode
                                                                : LogitsMode::none;
         float * chunk_logits = mode == LogitsMode::all ? logits + done * config_.n_vocab : logits;
         float * chunk_hidden = hidden && mode == LogitsMode::all ? hidden + done * config_.hc * config_.n_embd : hidden;
-        eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits, chunk_mode == LogitsMode::none ? nullptr : chunk_hidden);
+        if (!eval_chunk(state, tokens.data() + done, n, chunk_mode, chunk_logits,
+                        chunk_mode == LogitsMode::none ? nullptr : chunk_hidden, between_layers))
+            return false;
         done += n;
         // Each chunk ends with its work finished (a device backend's ops are asynchronous): a device error surfaces
         // here, inside the evaluation that caused it, and callers may time an eval without a read after it.
@@ -197,8 +204,8 @@ bool Model::eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mo
     return true;
 }
 
-void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
-                       float * hidden) {
+bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
+                       float * hidden, const std::function<bool(int64_t layers)> & between_layers) {
     const ModelConfig & c = config_;
     const ModelWeights & W = weights_;
     Workspace & w = *ws_;
@@ -222,6 +229,11 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         head(final_rows(r0, m), W.output_hc_fn, W.output_hc_scale, W.output_hc_base, W.output_norm, m, out);
     };
 
+    // A chunk that may stop between layers waits for each layer before issuing the next (the caller's answer
+    // must come while there is work left to skip); its frontiers are saved first (KvState::save_frontiers).
+    const bool checked = between_layers && n > 1;
+    if (checked) state.save_frontiers(w.frontier_backup);
+    bool stopped = false;
     auto body = [&] {
         Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
         Tensor x = first(w.x, n);
@@ -229,9 +241,17 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         trace("embed", -1, x);
         b.hc_expand(x, streams);
         attn_pre(W.layers[0], streams, n);
-        for (int64_t il = 0; il < c.n_layer; ++il)
+        for (int64_t il = 0; il < c.n_layer; ++il) {
             block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2,
                   il + 1 < c.n_layer ? &W.layers[size_t(il + 1)] : nullptr);
+            if (checked && il + 1 < c.n_layer) {
+                b.synchronize();
+                if (!between_layers(il + 1)) {
+                    stopped = true;
+                    return;
+                }
+            }
+        }
         if (rows == 1) {
             // One row (a decode step, a prompt's end): straight into the state's copy, and the sampler's candidates
             // from it, inside a decode step's graph rather than launches after it.
@@ -248,9 +268,14 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         b.run_captured(std::hash<const void *>()(&state) * 31 + uint64_t(mode), body);
     else
         body();
+    if (stopped) {
+        state.restore_frontiers(w.frontier_backup);
+        b.synchronize();
+        return false;
+    }
     state.set_n_past(pos0 + n);
     if (rows == 1) candidates_of_ = &state;
-    if (rows == 0) return;
+    if (rows == 0) return true;
     if (rows <= head_rows) {
         if (logits) b.read(rows == 1 ? state.last_logits() : first(w.logits, rows), logits, size_t(rows) * row_bytes);
     } else {
@@ -266,6 +291,7 @@ void Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         const Tensor final_streams = final_rows(0, rows);
         b.read(final_streams, hidden, final_streams.n_bytes());
     }
+    return true;
 }
 
 void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {

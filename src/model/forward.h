@@ -68,12 +68,19 @@ class Model {
     // llama.cpp's fused projection.
     static uint64_t workspace_bytes(const ModelConfig & config, int64_t n_ubatch, bool with_mtp_cat);
     void set_trace(TraceFn trace) { trace_ = std::move(trace); }
+    // Chunks of at least this many tokens also call `progress` between layers (kLayerCheckTokens; tests lower it).
+    void set_layer_check_tokens(int64_t n) { layer_check_tokens_ = n; }
+    // A layer of an 8192-token chunk takes ~30 ms on an H200 and, projected, a few hundred on a GB10, where a
+    // whole chunk of 16384 would keep a cancelled request on the device for 15-30 s; a check costs a synchronize
+    // (the device idles while the next layer's ops are issued, ~0.2 ms; not measured yet).
+    static constexpr int64_t kLayerCheckTokens = 8192;
 
     // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory; may be
     // null) gets n_vocab floats (mode last) or tokens.size()·n_vocab (mode all); the last token's row also stays in
-    // state.last_logits() in either mode. `progress(done)` is called after each chunk
-    // with the number of tokens done; when it returns false, eval stops there (the state covers the finished
-    // chunks) and returns false.
+    // state.last_logits() in either mode. `progress(done)` is called after each chunk with the number of tokens
+    // done, and in chunks of layer_check_tokens or more also after each layer but the last with the tokens done so
+    // far in proportion to the layers; when it returns false, eval stops there (the state covers the finished
+    // chunks: a chunk stopped between layers is undone) and returns false. After the last chunk it cannot stop.
     // `hidden`, when given, receives the final hyper-connection streams of the same rows as the logits
     // ([rows, hc, D], before the HC head): what the MTP head continues from.
     bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
@@ -103,8 +110,9 @@ class Model {
 
   private:
     struct Workspace;
-    void eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits,
-                    float * hidden);
+    // False when between_layers (given: called with the layers done) stopped the chunk; the state is then as before.
+    bool eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits, float * hidden,
+                    const std::function<bool(int64_t layers)> & between_layers);
     // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch) for the tokens at
     // positions [pos0, pos0 + n) (the ops read them from the workspace's positions tensor; pos0 only names trace
     // rows); il names the layer in traces. The main layers and the MTP block both run through here. The block's
@@ -137,6 +145,7 @@ class Model {
     // logits (every decode step) computes them in the same launch sequence, before the sampler asks.
     const KvState * candidates_of_ = nullptr;
     TraceFn trace_;
+    int64_t layer_check_tokens_ = kLayerCheckTokens;
 };
 
 }  // namespace dsv4

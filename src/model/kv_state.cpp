@@ -123,6 +123,28 @@ void KvState::clear() {
     }
 }
 
+void KvState::save_frontiers(const Tensor & backup) const {
+    DSV4_CHECK(backup.n_bytes() >= plan_.frontier_bytes, "frontier backup of {} bytes, {} needed", backup.n_bytes(),
+               plan_.frontier_bytes);
+    size_t at = 0;
+    for (const LayerState & s : layers_)
+        for (const Tensor * t : {&s.comp_kv, &s.comp_score, &s.idx_kv, &s.idx_score})
+            if (*t) {
+                backend_.copy(backup, *t, t->n_bytes(), at, 0);
+                at += t->n_bytes();
+            }
+}
+
+void KvState::restore_frontiers(const Tensor & backup) {
+    size_t at = 0;
+    for (LayerState & s : layers_)
+        for (const Tensor * t : {&s.comp_kv, &s.comp_score, &s.idx_kv, &s.idx_score})
+            if (*t) {
+                backend_.copy(*t, backup, t->n_bytes(), 0, at);
+                at += t->n_bytes();
+            }
+}
+
 std::string KvState::snapshot() const {
     ByteWriter w;
     w.put(kMagic, sizeof kMagic);

@@ -63,6 +63,13 @@ class KvState {
     // before it is written.
     void clear();
 
+    // The compressors' frontiers are the only part of the state a chunk changes in place: its raw rows overwrite
+    // ring rows older than the window of its first token, its compressed and indexer rows lie past n_past. So a
+    // chunk stopped between layers leaves the state as it was once the frontiers saved before it are put back.
+    // `backup` holds plan().frontier_bytes.
+    void save_frontiers(const Tensor & backup) const;
+    void restore_frontiers(const Tensor & backup);
+
     // The state at its current position as bytes: a versioned header (shapes), the last window-1 raw rows,
     // every written compressed and indexer row (as f32 whatever their type here), the frontiers, and an xxh64
     // checksum.

@@ -271,6 +271,26 @@ TEST(CudaModelQuantized, MixesMatchCpu) {
     }
 }
 
+// A chunk stopped between layers on the GPU (the frontiers saved and put back by device copies): the rest's logits
+// are the uninterrupted run's (bit for bit unless an op's order of summation varies between runs; 1e-5 allowed).
+TEST(CudaModelStop, ChunkStoppedBetweenLayersIsUndone) {
+    const Fixture & f = fixture("hf-small-seed1");
+    Runner r(gguf("hf-small-seed1", StorageMix::f32), cuda(), 16);
+    const std::vector<float> whole = r.run(f.tokens, {int64_t(f.tokens.size())});
+    const std::vector<float> rest = oracle::stopped_chunk_then_rest(*r.model, f.tokens);
+    const size_t skip = 32 * size_t(r.model->config().n_vocab);
+    ASSERT_EQ(rest.size(), whole.size() - skip);
+    double max_err = 0;
+    int64_t beyond = 0;
+    for (size_t i = 0; i < rest.size(); ++i) {
+        const double ref = whole[skip + i], e = std::fabs(double(rest[i]) - ref);
+        max_err = std::max(max_err, std::isnan(e) ? 1e30 : e);
+        beyond += !(e <= 1e-5 * std::max(1.0, std::fabs(ref)));
+    }
+    EXPECT_EQ(beyond, 0) << "logits after the stopped chunk beyond 1e-5 (max |err| " << max_err << ")";
+    std::printf("  stopped chunk, then the rest: max |err| %.3g against the uninterrupted run\n", max_err);
+}
+
 // Engine::plan's chunk size on a GPU: 16384 when the planned context fits with it, else 8192 when that fits, else
 // 2048 (sessions enough to fill the device with the smaller chunk, which then do not fit with the larger), an
 // explicit --ubatch kept.

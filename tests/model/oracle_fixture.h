@@ -10,11 +10,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
-#include <unistd.h>
 
 namespace dsv4::oracle {
 
@@ -106,6 +107,36 @@ inline std::vector<float> run_calls(Model & model, const std::vector<int32_t> & 
     }
     EXPECT_EQ(pos, tokens.size());
     return out;
+}
+
+// A chunk stopped between layers (Model::eval's progress), then the rest: the model's chunks are 16 tokens and every
+// chunk checks. Evaluates tokens[0, 16), then tokens[16, ...) stopped after half the layers of that call's second
+// chunk (its first chunk reports after each of its first L - 1 layers and once whole: L calls), then tokens[32, ...).
+// Returns the last call's logits (positions 32 onward) and checks what the stopped call reported and left.
+inline std::vector<float> stopped_chunk_then_rest(Model & model, const std::vector<int32_t> & all) {
+    EXPECT_EQ(model.n_ubatch(), 16);
+    model.set_layer_check_tokens(2);
+    const int64_t V = model.config().n_vocab, L = model.config().n_layer;
+    const std::span<const int32_t> tokens(all);
+    EXPECT_GT(tokens.size(), size_t(48));
+    auto s = model.new_state(int64_t(tokens.size()));
+    EXPECT_TRUE(model.eval(*s, tokens.first(16), LogitsMode::none, nullptr));
+    const int64_t stop_at = L + std::max<int64_t>(L / 2, 1);
+    std::vector<int64_t> reported;
+    const bool finished = model.eval(*s, tokens.subspan(16), LogitsMode::none, nullptr, [&](int64_t done) {
+        reported.push_back(done);
+        return int64_t(reported.size()) < stop_at;
+    });
+    EXPECT_FALSE(finished);
+    EXPECT_EQ(s->n_past(), 32);
+    EXPECT_EQ(int64_t(reported.size()), stop_at);
+    if (int64_t(reported.size()) >= L) EXPECT_EQ(reported[size_t(L - 1)], 16);  // the first chunk whole
+    EXPECT_TRUE(std::is_sorted(reported.begin(), reported.end()));
+    EXPECT_LT(reported.back(), 32);
+    std::vector<float> rest((tokens.size() - 32) * size_t(V));
+    EXPECT_TRUE(model.eval(*s, tokens.subspan(32), LogitsMode::all, rest.data()));
+    model.set_layer_check_tokens(Model::kLayerCheckTokens);
+    return rest;
 }
 
 // Calls of `step` tokens (the last one shorter) covering `total`.

@@ -15,12 +15,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
-#include <unistd.h>
 
 using namespace dsv4;
 namespace fs = std::filesystem;
@@ -125,6 +126,19 @@ TEST_P(Oracle, SnapshotRestoreContinuesExactly) {
     EXPECT_THROW(b->restore(snap.substr(0, snap.size() - 9)), Error);
     auto small = r.model->new_state(int64_t(half) - 1);
     EXPECT_THROW(small->restore(snap), Error);
+}
+
+// A chunk stopped between layers leaves the state where that chunk began (the frontiers of the layers it ran put
+// back): evaluating the rest gives the uninterrupted run's logits bit for bit (the same chunk boundaries).
+TEST_P(Oracle, ChunkStoppedBetweenLayersIsUndone) {
+    const Fixture & f = fixture(GetParam());
+    Runner r(f, 16);
+    const std::vector<float> whole = r.run(f.tokens, {int64_t(f.tokens.size())});
+    const std::vector<float> rest = oracle::stopped_chunk_then_rest(*r.model, f.tokens);
+    const size_t skip = 32 * size_t(r.model->config().n_vocab);
+    ASSERT_EQ(rest.size(), whole.size() - skip);
+    EXPECT_EQ(std::memcmp(rest.data(), whole.data() + skip, rest.size() * sizeof(float)), 0)
+        << "the logits after the stopped chunk differ from the uninterrupted run's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, Oracle,
