@@ -1452,7 +1452,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
 
 // 64 heads × 64 keys a tile on 16 warps where a block's shared memory holds them (141 KB at d = 512), else 32 heads ×
 // 32 keys on 8 (68 KB: sm_120/121 at d = 512, where each key row is then staged by two blocks a token). On the H200
-// 64 × 64 on 8 warps was 5 % slower, 32 heads × 64 keys as fast (session 26).
+// 64 × 64 on 8 warps was 5 % slower (session 26); 32 heads × 64 keys on 8 warps 10 % slower at one block a
+// multiprocessor and 2 % at two (session 27; session 26 had found it as fast).
 template <int D>
 constexpr size_t attention_wide_smem() {
     return attention_tc_smem<D, 64, 64, 16>();
@@ -1592,8 +1593,9 @@ void indexer_select(IndexerArgs a, cudaStream_t s) {
 }
 
 // Decode launches whose keys reach this many (an HCA layer's compressed rows from ~512K of context) take the
-// tensor-core tiles, their keys split over the multiprocessors. Below it the CUDA-core kernel's splits are faster
-// (session 22: 14 µs at 128K against 38–44 for the two-pass tiles); at 1M it took 87 µs.
+// tensor-core tiles, their keys split over the multiprocessors. Below it the CUDA-core kernel's splits were faster
+// than the old two-pass tiles (session 22: 14 µs at 128K against 38–44; not re-measured against the one-pass
+// tiles); at 1M the CUDA-core kernel took 87 µs, the one-pass tiles 52.8 (session 27).
 constexpr int64_t kTcDecodeKeys = 4096;
 
 bool attention_tensor_cores(int64_t dim, int64_t n, int64_t keys) {
