@@ -41,9 +41,9 @@ bool wants_gpu(const EngineOptions & o) {
 }
 
 // The GPU's prefill products need large chunks to fill the tensor cores (a 256-token chunk leaves most of the
-// machine idle in the narrow projections; with 8192 tokens a routed expert still sees only ~190 a chunk, so its
-// weights are decoded for two mostly empty tiles); the CPU gains nothing past a few hundred tokens. Engine::plan
-// picks the largest of the larger GPU chunks for which the context still fits.
+// machine idle in the narrow projections; with 8192 tokens a routed expert sees ~190 a chunk, one 128-token tile
+// and half of another, each decoding the expert's weights); the CPU gains nothing past a few hundred tokens.
+// Engine::plan picks the largest of the larger GPU chunks for which the context still fits.
 constexpr int64_t kGpuUbatch = 2048;
 constexpr int64_t kLargeGpuUbatches[] = {16384, 8192};
 int64_t ubatch_for(const EngineOptions & o, bool on_gpu) {
