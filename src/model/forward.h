@@ -70,10 +70,11 @@ class Model {
     void set_trace(TraceFn trace) { trace_ = std::move(trace); }
     // Chunks of at least this many tokens also call `progress` between layers (kLayerCheckTokens; tests lower it).
     void set_layer_check_tokens(int64_t n) { layer_check_tokens_ = n; }
-    // A layer of an 8192-token chunk takes ~30 ms on an H200 and, projected, a few hundred on a GB10, where a
-    // whole chunk of 16384 would keep a cancelled request on the device for 15-30 s; a check costs a synchronize
-    // (the device idles while the next layer's ops are issued, ~0.2 ms; not measured yet).
-    static constexpr int64_t kLayerCheckTokens = 8192;
+    // A whole chunk of 16384 would keep a cancelled request on a GB10 for a projected 15-30 s, a layer of it well
+    // under one. A check costs a synchronize (the device idles while the next layer's first ops are issued), which
+    // no prefill measured on the H200 shows: chunks of 512, 2048 and 16384 within 0.4 % with and without checks
+    // (docs/cuda.md, "Session 28"). Below 512 tokens a whole chunk takes about as long as a layer of a long one.
+    static constexpr int64_t kLayerCheckTokens = 512;
 
     // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory; may be
     // null) gets n_vocab floats (mode last) or tokens.size()·n_vocab (mode all); the last token's row also stays in
