@@ -138,6 +138,13 @@ __device__ __forceinline__ void cp_async16(void * dst, const void * src) {
 __device__ __forceinline__ void cp_async4(void * dst, const void * src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
 }
+// With the bytes to read given (16 or 4, or 0: zeros; src must be a valid address either way).
+__device__ __forceinline__ void cp_async16(void * dst, const void * src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void * dst, const void * src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 // Waits until at most `pending` of this thread's committed groups are still in flight.
 template <int pending>

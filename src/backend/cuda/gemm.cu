@@ -52,48 +52,75 @@ constexpr int raw_pieces() {
            : T == GgmlType::IQ2_XXS                  ? 2
                                                      : 3;
 }
+// The first raw_pieces16<T>() pieces of a row are its 16-byte ones, the rest 4 bytes.
+template <GgmlType T>
+constexpr int raw_pieces16() {
+    return T == GgmlType::F16 || T == GgmlType::BF16 ? 8
+           : T == GgmlType::Q8_0                     ? 4
+           : T == GgmlType::Q4_K                     ? 3
+           : T == GgmlType::IQ2_XXS                  ? 1
+                                                     : 2;
+}
+// Columns per block of the type's layout (what a row's block index counts).
+template <GgmlType T>
+constexpr int block_cols() {
+    return T == GgmlType::Q8_0 || T == GgmlType::MXFP4 ? 32 : T == GgmlType::F16 || T == GgmlType::BF16 ? 1 : 256;
+}
 
+// A piece's source is its source at k0 = 0 (raw_piece_at0, computed once a thread) plus raw_piece_step (32-bit,
+// the same for every row but for `phase`, the low bits of the row's first block index, which MXFP4's and IQ2_XXS's
+// shared scale words depend on): the copies of a step then cost an add, not a row's 64-bit index arithmetic.
 struct RawPiece {
     const uint8_t * src;
-    int dst;    // byte offset in the row's raw bytes
-    int bytes;  // 16 or 4
+    int dst;  // byte offset in the row's raw bytes
 };
-
 template <GgmlType T>
-__device__ __forceinline__ RawPiece raw_piece(const WeightRef & w, int64_t row, int64_t k0, int piece) {
+__device__ __forceinline__ RawPiece raw_piece_at0(const WeightRef & w, int64_t row, int piece) {
+    const int64_t gb = row * (w.ne0 / block_cols<T>());  // the row's first block
     if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
-        return {w.data + (row * w.ne0 + k0) * 2 + 16 * piece, 16 * piece, 16};
+        return {w.data + row * w.ne0 * 2 + 16 * piece, 16 * piece};
     } else if constexpr (T == GgmlType::Q8_0) {
-        const int64_t gb = row * (w.ne0 / 32) + k0 / 32;
-        return piece < 4 ? RawPiece{split_payload(w, gb, 32) + 16 * piece, 16 * piece, 16}
-                         : RawPiece{split_scales(w, gb, 32, 2), 64, 4};
+        return piece < 4 ? RawPiece{split_payload(w, gb, 32) + 16 * piece, 16 * piece}
+                         : RawPiece{split_scales(w, gb, 32, 2), 64};
     } else if constexpr (T == GgmlType::MXFP4) {
-        const int64_t gb = row * (w.ne0 / 32) + k0 / 32;
-        return piece < 2 ? RawPiece{split_payload(w, gb, 16) + 16 * piece, 16 * piece, 16}
-                         : RawPiece{split_scales(w, gb & ~int64_t(3), 16, 1), 32, 4};
+        return piece < 2 ? RawPiece{split_payload(w, gb, 16) + 16 * piece, 16 * piece}
+                         : RawPiece{split_scales(w, gb & ~int64_t(3), 16, 1), 32};
     } else if constexpr (T == GgmlType::Q2_K) {
-        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
-        const int i0 = int(k0 % 256);
         const uint8_t * p = split_payload(w, gb, 80);
-        return piece < 2    ? RawPiece{p + 16 + 32 * (i0 / 128) + 16 * piece, 16 * piece, 16}
-               : piece == 2 ? RawPiece{p + i0 / 16, 32, 4}
-                            : RawPiece{split_scales(w, gb, 80, 4), 36, 4};
+        return piece < 2    ? RawPiece{p + 16 + 16 * piece, 16 * piece}
+               : piece == 2 ? RawPiece{p, 32}
+                            : RawPiece{split_scales(w, gb, 80, 4), 36};
     } else if constexpr (T == GgmlType::Q4_K) {
-        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
         const uint8_t * b = w.data + gb * 144;
-        return piece == 0 ? RawPiece{b, 0, 16}
-                          : RawPiece{b + 16 + 32 * (k0 % 256 / 64) + 16 * (piece - 1), 16 * piece, 16};
+        return piece == 0 ? RawPiece{b, 0} : RawPiece{b + 16 + 16 * (piece - 1), 16 * piece};
     } else {  // IQ2_XXS
-        const int64_t gb = row * (w.ne0 / 256) + k0 / 256;
-        return piece == 0 ? RawPiece{split_payload(w, gb, 64) + 8 * (k0 % 256 / 32), 0, 16}
-                          : RawPiece{split_scales(w, gb & ~int64_t(1), 64, 2), 16, 4};
+        return piece == 0 ? RawPiece{split_payload(w, gb, 64), 0}
+                          : RawPiece{split_scales(w, gb & ~int64_t(1), 64, 2), 16};
+    }
+}
+// What step k0 adds to a piece's source at k0 = 0 (k0 a multiple of 64).
+template <GgmlType T>
+__device__ __forceinline__ int raw_piece_step(int piece, int k0, int phase) {
+    if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
+        return 2 * k0;
+    } else if constexpr (T == GgmlType::Q8_0) {
+        return piece < 4 ? k0 : k0 / 16;
+    } else if constexpr (T == GgmlType::MXFP4) {
+        return piece < 2 ? k0 / 2 : (phase + k0 / 32) & ~3;
+    } else if constexpr (T == GgmlType::Q2_K) {
+        const int super = k0 / 256, i0 = k0 % 256;
+        return piece < 2 ? 80 * super + 32 * (i0 / 128) : piece == 2 ? 80 * super + i0 / 16 : 4 * super;
+    } else if constexpr (T == GgmlType::Q4_K) {
+        return 144 * (k0 / 256) + (piece == 0 ? 0 : 32 * (k0 % 256 / 64));
+    } else {  // IQ2_XXS
+        return piece == 0 ? k0 / 4 : 2 * (((phase & 1) + k0 / 256) & ~1);
     }
 }
 
 // Eight weights at column c (a multiple of 8) of a step, from the row's raw bytes rb, as load8 would load them.
+// blk: the row's first block index plus the step's blocks, of which MXFP4 and IQ2_XXS use the low bits.
 template <GgmlType T>
-__device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, const WeightRef & w, int64_t row, int64_t k0,
-                                               int c) {
+__device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, int k0, int c, int blk) {
     Raw8 r{};
     if constexpr (T == GgmlType::F16 || T == GgmlType::BF16) {
         r.q = *reinterpret_cast<const uint4 *>(rb + 2 * c);
@@ -104,7 +131,7 @@ __device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, const WeightR
             r.scale = *reinterpret_cast<const uint16_t *>(rb + 64 + 2 * (c / 32));
         } else if constexpr (T == GgmlType::MXFP4) {
             q = reinterpret_cast<const uint2 *>(rb + 16 * (c / 32) + (c % 16));
-            r.scale = rb[32 + int((row * (w.ne0 / 32) + k0 / 32) & 3) + c / 32];
+            r.scale = rb[32 + (blk & 3) + c / 32];
         } else if constexpr (T == GgmlType::Q2_K) {
             q = reinterpret_cast<const uint2 *>(rb + (k0 + c) % 32);
             r.aux = rb[32 + c / 16];
@@ -113,12 +140,12 @@ __device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, const WeightR
             r.scale = *reinterpret_cast<const uint32_t *>(rb);
             const uint8_t * sc = rb + 4;
             int s, m;
-            q4k_scale_min(sc, int((k0 + c) % 256 / 32), s, m);
+            q4k_scale_min(sc, (k0 + c) % 256 / 32, s, m);
             r.aux = uint32_t(s) | uint32_t(m) << 8;
             q = reinterpret_cast<const uint2 *>(rb + 16 + c % 32);
         } else {  // IQ2_XXS
             q = reinterpret_cast<const uint2 *>(rb + 8 * (c / 32));
-            r.scale = *reinterpret_cast<const uint16_t *>(rb + 16 + 2 * int((row * (w.ne0 / 256) + k0 / 256) & 1));
+            r.scale = *reinterpret_cast<const uint16_t *>(rb + 16 + 2 * (blk & 1));
         }
         r.q.x = q->x, r.q.y = q->y;
     }
@@ -148,7 +175,7 @@ __device__ __forceinline__ void fill_iq2_tile_tables(Iq2TileTables & tab, const 
 // bound their tiles (one 8192-token IQ2_XXS gate/up: 4.7 G instructions and 11.1 ms with a float conversion and
 // product a weight, 3.9 G and 9.3 ms so).
 template <GgmlType T>
-__device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int64_t col, const Iq2TileTables * iq2) {
+__device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int col, const Iq2TileTables * iq2) {
     uint4 packed;
     uint32_t * h = reinterpret_cast<uint32_t *>(&packed);
     if constexpr (T == GgmlType::F16) {
@@ -391,59 +418,75 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     }
     __syncthreads();
     const int n_tok = n_tok_shared;
-    const int64_t steps = k / kBK;
+    const int steps = int(k / kBK);
 
-    // Tile row r's weight: gate and up differ only in their data (a selected pointer keeps t in registers).
-    auto weight_of = [&](int r) {
-        WeightRef w = t.w;
-        if (GLU && r >= BM) w.data = t.w_up.data;
-        return w;
-    };
     // 16-byte piece g of a step's activations: token g / 8, columns (g % 8) · 8 for mma.sync; for wgmma eight
     // consecutive pieces are one column group of eight tokens (one core matrix: its stores hit distinct banks).
     auto token_piece = [](int g, int & i, int & c) {
         i = WG ? (g / 64) * 8 + g % 8 : g / (kBK / 8);
         c = WG ? (g / 8) % 8 * 8 : g % (kBK / 8) * 8;
     };
-    // This thread's copies, the same every step: raw pieces (tile row, piece; row -1: none) and activation pieces
-    // (their source at k0 = 0; null: a token past the tile's end, zero-filled).
-    int piece_row[kPieceTasks], piece_of[kPieceTasks];
+    // This thread's copies, fixed over the steps but for what raw_piece_step adds: raw pieces (source at k0 = 0,
+    // destination in a slot, size) and activation pieces (source at k0 = 0, destination, size). Every row's 16-byte
+    // pieces come before the 4-byte ones, so that a warp's copies have one size. A row past the weight's end and a
+    // token past the tile's end copy no bytes (cp.async fills their destinations with zeros, which decode to zero
+    // weights): the copies and the decodes take no branch a row.
+    constexpr int kPieces16 = raw_pieces16<T>(), kPieces4 = kPieces - kPieces16;
+    const uint8_t * piece_src[kPieceTasks];
+    int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // bits: piece | phase << 4 | bytes << 8 (0: none)
 #pragma unroll
     for (int j = 0; j < kPieceTasks; ++j) {
-        const int task = int(threadIdx.x) + j * kThreads, r = task / kPieces;
-        piece_row[j] = task < ROWS * kPieces && row0 + r % BM < t.rows ? r : -1;
-        piece_of[j] = task % kPieces;
+        const int task = int(threadIdx.x) + j * kThreads, small = task - ROWS * kPieces16;
+        int r = task / kPieces16, piece = task % kPieces16;
+        if constexpr (kPieces4 > 0) {
+            if (small >= 0) {
+                r = small / kPieces4;
+                piece = kPieces16 + small % kPieces4;
+            }
+        }
+        piece_src[j] = nullptr, piece_dst[j] = 0, piece_bits[j] = 0;
+        if (task < ROWS * kPieces) {
+            // Tile row r's weight: gate and up differ only in their data.
+            WeightRef w = t.w;
+            if (GLU && r >= BM) w.data = t.w_up.data;
+            const bool in_rows = row0 + r % BM < t.rows;
+            const int64_t row = row_off + row0 + (in_rows ? r % BM : 0);
+            const RawPiece p = raw_piece_at0<T>(w, row, piece);
+            const int phase = int(row * (w.ne0 / block_cols<T>()) & 3);
+            piece_src[j] = p.src;
+            piece_dst[j] = r * kStride + p.dst;
+            piece_bits[j] = piece | phase << 4 | (in_rows ? (piece < kPieces16 ? 16 : 4) : 0) << 8;
+        }
     }
     const uint16_t * token_src[kTokenTasks];
+    int token_dst[kTokenTasks], token_bytes[kTokenTasks];
 #pragma unroll
     for (int j = 0; j < kTokenTasks; ++j) {
         int i, c;
         token_piece(int(threadIdx.x) + j * kThreads, i, c);
-        token_src[j] = i < n_tok ? a.x_f16 + src[i] * a.x_stride + group * k + c : nullptr;
+        token_src[j] = a.x_f16 + (i < n_tok ? src[i] * a.x_stride + group * k + c : 0);
+        token_dst[j] = tile_at<WG>(i, c);
+        token_bytes[j] = i < n_tok ? 16 : 0;
     }
     // One commit group per step: the raw bytes of the tile's rows and the tokens' activations into ring slot
     // step % kStages. Steps past the end commit an empty group, so that the wait counts stay uniform.
-    auto load_step = [&](int64_t step) {
+    auto load_step = [&](int step) {
         if (step < steps) {
             uint8_t * slot = smem + (step % kStages) * Smem::slot;
-            const int64_t k0 = step * kBK;
+            const int k0 = step * kBK;
 #pragma unroll
             for (int j = 0; j < kPieceTasks; ++j) {
-                const int r = piece_row[j];
-                if (r < 0) continue;
-                const RawPiece p = raw_piece<T>(weight_of(r), row_off + row0 + r % BM, k0, piece_of[j]);
-                if (p.bytes == 16)
-                    cp_async16(slot + r * kStride + p.dst, p.src);
+                const int bits = piece_bits[j];
+                if (bits == 0) continue;  // past the last piece: whole warps
+                const uint8_t * from = piece_src[j] + raw_piece_step<T>(bits & 15, k0, bits >> 4 & 15);
+                if ((bits & 15) < kPieces16)
+                    cp_async16(slot + piece_dst[j], from, bits >> 8);
                 else
-                    cp_async4(slot + r * kStride + p.dst, p.src);
+                    cp_async4(slot + piece_dst[j], from, bits >> 8);
             }
             half * xs = reinterpret_cast<half *>(slot + Smem::raw);
 #pragma unroll
-            for (int j = 0; j < kTokenTasks; ++j) {
-                int i, c;
-                token_piece(int(threadIdx.x) + j * kThreads, i, c);
-                cp_async16(xs + tile_at<WG>(i, c), token_src[j] ? token_src[j] + k0 : nullptr);
-            }
+            for (int j = 0; j < kTokenTasks; ++j) cp_async16(xs + token_dst[j], token_src[j] + k0, token_bytes[j]);
         }
         cp_async_commit();
     };
@@ -452,14 +495,18 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     // reads rows whole); wgmma, rows threadIdx.x % 8 + 8 · (threadIdx.x / 64 + 8i) (a warp's stores fill core
     // matrices whole).
     const int c8 = WG ? (threadIdx.x / 8) % 8 * 8 : (threadIdx.x % 8) * 8;
-    auto decode_step = [&](int64_t step) {
+    auto row_of = [&](int i) {
+        return WG ? int(threadIdx.x) % 8 + 8 * (int(threadIdx.x) / 64 + 8 * i)
+                  : int(threadIdx.x) / 8 + i * (kThreads / 8);
+    };
+    int group_phase[kGroups];  // the low bits of each group's row's first block index (MXFP4, IQ2_XXS)
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i)
+        group_phase[i] = int((row_off + row0 + row_of(i) % BM) * (t.w.ne0 / block_cols<T>()) & 3);
+    auto decode_step = [&](int step) {
         const uint8_t * slot = smem + (step % kStages) * Smem::slot;
         half * ws = tiles + (step % 2) * kTile;
-        const int64_t k0 = step * kBK;
-        auto row_of = [&](int i) {
-            return WG ? int(threadIdx.x) % 8 + 8 * (int(threadIdx.x) / 64 + 8 * i)
-                      : int(threadIdx.x) / 8 + i * (kThreads / 8);
-        };
+        const int k0 = step * kBK;
         // Two groups decoded before either is stored: the compiler cannot tell the tile's stores from the ring's
         // loads, so a store between them would serialize the groups' load latencies (and four at once spill).
         constexpr int kBatch = kGroups < 2 ? kGroups : 2;
@@ -467,14 +514,10 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
         for (int i0 = 0; i0 < kGroups; i0 += kBatch) {
             uint4 h[kBatch];
 #pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-                const int r = row_of(i0 + i);
-                h[i] = make_uint4(0, 0, 0, 0);
-                if (row0 + r % BM < t.rows)
-                    h[i] = raw8_to_f16<T>(
-                        raw8_from_tile<T>(slot + r * kStride, weight_of(r), row_off + row0 + r % BM, k0, c8), k0 + c8,
-                        iq2_tables);
-            }
+            for (int i = 0; i < kBatch; ++i)
+                h[i] = raw8_to_f16<T>(raw8_from_tile<T>(slot + row_of(i0 + i) * kStride, k0, c8,
+                                                        group_phase[i0 + i] + k0 / block_cols<T>()),
+                                      k0 + c8, iq2_tables);
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) *reinterpret_cast<uint4 *>(ws + tile_at<WG>(row_of(i0 + i), c8)) = h[i];
         }
@@ -497,7 +540,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     cp_async_wait<kStages - 2>();
     __syncthreads();
     decode_step(0);
-    for (int64_t s = 0; s < steps; ++s) {
+    for (int s = 0; s < steps; ++s) {
         // Step s + 1 has arrived for every thread, tile s % 2 is decoded and visible (wgmma: to the async proxy
         // too), and step s - 1 is finished everywhere (wgmma: each warpgroup waited for its own products), so its
         // ring slot and tile may be overwritten.
