@@ -73,7 +73,7 @@ class Model {
     // A whole chunk of 16384 would keep a cancelled request on a GB10 for a projected 15-30 s, a layer of it well
     // under one. A check costs a synchronize (the device idles while the next layer's first ops are issued), which
     // no prefill measured on the H200 shows: chunks of 512, 2048 and 16384 within 0.4 % with and without checks
-    // (docs/cuda.md, "Session 28"). Below 512 tokens a whole chunk takes about as long as a layer of a long one.
+    // (docs/cuda.md, "Session 28"). A shorter chunk runs whole: under 0.3 s on the H200 for the real model.
     static constexpr int64_t kLayerCheckTokens = 512;
 
     // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory; may be
