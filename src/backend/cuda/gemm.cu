@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     // weights): the copies and the decodes take no branch a row.
     constexpr int kPieces16 = raw_pieces16<T>(), kPieces4 = kPieces - kPieces16;
     const uint8_t * piece_src[kPieceTasks];
-    int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // bits: piece | phase << 4 | bytes << 8 (0: none)
+    int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // piece | phase << 4 | bytes << 8 | 1 << 12 (0: none)
 #pragma unroll
     for (int j = 0; j < kPieceTasks; ++j) {
         const int task = int(threadIdx.x) + j * kThreads, small = task - ROWS * kPieces16;
@@ -455,7 +455,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
             const int phase = int(row * (w.ne0 / block_cols<T>()) & 3);
             piece_src[j] = p.src;
             piece_dst[j] = r * kStride + p.dst;
-            piece_bits[j] = piece | phase << 4 | (in_rows ? (piece < kPieces16 ? 16 : 4) : 0) << 8;
+            piece_bits[j] = piece | phase << 4 | (in_rows ? (piece < kPieces16 ? 16 : 4) : 0) << 8 | 1 << 12;
         }
     }
     const uint16_t * token_src[kTokenTasks];
@@ -480,9 +480,9 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
                 if (bits == 0) continue;  // past the last piece: whole warps
                 const uint8_t * from = piece_src[j] + raw_piece_step<T>(bits & 15, k0, bits >> 4 & 15);
                 if ((bits & 15) < kPieces16)
-                    cp_async16(slot + piece_dst[j], from, bits >> 8);
+                    cp_async16(slot + piece_dst[j], from, bits >> 8 & 31);
                 else
-                    cp_async4(slot + piece_dst[j], from, bits >> 8);
+                    cp_async4(slot + piece_dst[j], from, bits >> 8 & 31);
             }
             half * xs = reinterpret_cast<half *>(slot + Smem::raw);
 #pragma unroll
