@@ -32,34 +32,26 @@ constexpr int kLd = kBK + 8;  // halves per shared row: 144 bytes, so the 8 rows
 // Raw weight bytes of one step
 // ---------------------------------------------------------------------------------------------------------------------
 // What one weight row contributes to a 64-column step (k0 a multiple of 64), as copied into its shared-memory row
-// of raw_stride<T>() bytes: raw_pieces<T>() pieces of 16 or 4 aligned bytes. The strides (multiples of 16 for the
-// 16-byte copies) are not multiples of 128, so that eight rows read at the same column fall on different banks.
+// of `stride` bytes: `pieces` aligned pieces, the first `pieces16` of 16 bytes, the rest of 4. The strides
+// (multiples of 16 for the 16-byte copies) are not multiples of 128, so that eight rows read at the same column fall
+// on different banks.
 //   F16, BF16  128 B: the 64 values
 //   Q8_0        68 B: two blocks' payload (64 B, contiguous in the split layout), their two scales (one 4-byte word)
 //   MXFP4       36 B: two blocks' payload (32 B), the aligned scale word holding their two exponents
 //   Q2_K        40 B: the 32 code bytes holding the 64 columns, their 4 sub-block scale bytes, d and dmin
 //   Q4_K        48 B: d, dmin and the 12 scale bytes, the 32 code bytes of the two sub-blocks (low and high nibbles)
 //   IQ2_XXS     20 B: two 32-column groups (16 B), the aligned scale word holding the super-block's d
+struct RawLayout {
+    int stride, pieces, pieces16;
+};
 template <GgmlType T>
-constexpr int raw_stride() {
-    return T == GgmlType::F16 || T == GgmlType::BF16 ? 144 : T == GgmlType::Q8_0 ? 80 : 48;
-}
-template <GgmlType T>
-constexpr int raw_pieces() {
-    return T == GgmlType::F16 || T == GgmlType::BF16 ? 8
-           : T == GgmlType::Q8_0                     ? 5
-           : T == GgmlType::Q2_K                     ? 4
-           : T == GgmlType::IQ2_XXS                  ? 2
-                                                     : 3;
-}
-// The first raw_pieces16<T>() pieces of a row are its 16-byte ones, the rest 4 bytes.
-template <GgmlType T>
-constexpr int raw_pieces16() {
-    return T == GgmlType::F16 || T == GgmlType::BF16 ? 8
-           : T == GgmlType::Q8_0                     ? 4
-           : T == GgmlType::Q4_K                     ? 3
-           : T == GgmlType::IQ2_XXS                  ? 1
-                                                     : 2;
+constexpr RawLayout raw_layout() {
+    return T == GgmlType::F16 || T == GgmlType::BF16 ? RawLayout{144, 8, 8}
+           : T == GgmlType::Q8_0                     ? RawLayout{80, 5, 4}
+           : T == GgmlType::MXFP4                    ? RawLayout{48, 3, 2}
+           : T == GgmlType::Q2_K                     ? RawLayout{48, 4, 2}
+           : T == GgmlType::Q4_K                     ? RawLayout{48, 3, 3}
+                                                     : RawLayout{48, 2, 1};  // IQ2_XXS
 }
 // Columns per block of the type's layout (what a row's block index counts).
 template <GgmlType T>
@@ -291,7 +283,7 @@ __device__ __forceinline__ int tile_at(int r, int c) {
 // STAGES, when given, overrides that (3 for the 64 × 128 tiles on sm_120/121, whose blocks have 99 KB).
 template <GgmlType T, int ROWS, int BN, bool WG, int STAGES = 0>
 struct GemmSmem {
-    static constexpr int raw = ROWS * raw_stride<T>();
+    static constexpr int raw = ROWS * raw_layout<T>().stride;
     static constexpr int slot = raw + BN * tile_ld<WG>() * 2;
     static constexpr int tile = ROWS * tile_ld<WG>() * 2;
     static constexpr int out = BN * (ROWS + 4) * 4;
@@ -374,7 +366,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     gemm_kernel(const MatvecArgs a) {
     using Smem = GemmSmem<T, ROWS, BN, WG, STAGES>;
     constexpr int BM = gemm_bm<GLU, ROWS>(), kThreads = gemm_threads<ROWS, BN, WG>(), kLdOut = ROWS + 4;
-    constexpr int kStride = raw_stride<T>(), kPieces = raw_pieces<T>(), kStages = Smem::stages;
+    constexpr int kStride = raw_layout<T>().stride, kPieces = raw_layout<T>().pieces, kStages = Smem::stages;
     constexpr int kTile = ROWS * tile_ld<WG>();                              // halves per decoded tile
     constexpr int kGroups = ROWS * (kBK / 8) / kThreads;                     // weight groups of 8 a thread decodes
     constexpr int kPieceTasks = (ROWS * kPieces + kThreads - 1) / kThreads;  // raw pieces a thread copies
@@ -431,7 +423,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     // pieces come before the 4-byte ones, so that a warp's copies have one size. A row past the weight's end and a
     // token past the tile's end copy no bytes (cp.async fills their destinations with zeros, which decode to zero
     // weights): the copies and the decodes take no branch a row.
-    constexpr int kPieces16 = raw_pieces16<T>(), kPieces4 = kPieces - kPieces16;
+    constexpr int kPieces16 = raw_layout<T>().pieces16, kPieces4 = kPieces - kPieces16;
     const uint8_t * piece_src[kPieceTasks];
     int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // piece | phase << 4 | bytes << 8 | 1 << 12 (0: none)
 #pragma unroll
