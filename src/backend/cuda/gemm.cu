@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     // weights): the copies and the decodes take no branch a row.
     constexpr int kPieces16 = raw_layout<T>().pieces16, kPieces4 = kPieces - kPieces16;
     const uint8_t * piece_src[kPieceTasks];
-    int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // piece | phase << 4 | bytes << 8 | 1 << 12 (0: none)
+    int piece_dst[kPieceTasks], piece_bits[kPieceTasks];  // piece | phase << 4 | bytes << 8 | 1 << 13 (0: none)
 #pragma unroll
     for (int j = 0; j < kPieceTasks; ++j) {
         const int task = int(threadIdx.x) + j * kThreads, small = task - ROWS * kPieces16;
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
             const int phase = int(row * (w.ne0 / block_cols<T>()) & 3);
             piece_src[j] = p.src;
             piece_dst[j] = r * kStride + p.dst;
-            piece_bits[j] = piece | phase << 4 | (in_rows ? (piece < kPieces16 ? 16 : 4) : 0) << 8 | 1 << 12;
+            piece_bits[j] = piece | phase << 4 | (in_rows ? (piece < kPieces16 ? 16 : 4) : 0) << 8 | 1 << 13;
         }
     }
     const uint16_t * token_src[kTokenTasks];
