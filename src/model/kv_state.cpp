@@ -50,6 +50,18 @@ int64_t compressed_rows(const LayerConfig & lc, int64_t n_ctx) {
     return std::max<int64_t>(n_ctx / lc.compress_ratio, 1);
 }
 
+// Calls f(frontier tensor, its offset in a backup) for every layer's frontiers, in the one order that
+// save_frontiers and restore_frontiers share.
+template <class F>
+void for_each_frontier(const std::vector<LayerState> & layers, F f) {
+    size_t at = 0;
+    for (const LayerState & s : layers)
+        for (const Tensor * t : {&s.comp_kv, &s.comp_score, &s.idx_kv, &s.idx_score})
+            if (*t) {
+                f(*t, at);
+                at += t->n_bytes();
+            }
+}
 }  // namespace
 
 KvPlan plan_kv(const ModelConfig & c, int64_t n_ctx, int64_t n_ubatch, bool with_mtp, GgmlType idx_keys) {
@@ -126,23 +138,11 @@ void KvState::clear() {
 void KvState::save_frontiers(const Tensor & backup) const {
     DSV4_CHECK(backup.n_bytes() >= plan_.frontier_bytes, "frontier backup of {} bytes, {} needed", backup.n_bytes(),
                plan_.frontier_bytes);
-    size_t at = 0;
-    for (const LayerState & s : layers_)
-        for (const Tensor * t : {&s.comp_kv, &s.comp_score, &s.idx_kv, &s.idx_score})
-            if (*t) {
-                backend_.copy(backup, *t, t->n_bytes(), at, 0);
-                at += t->n_bytes();
-            }
+    for_each_frontier(layers_, [&](const Tensor & t, size_t at) { backend_.copy(backup, t, t.n_bytes(), at, 0); });
 }
 
 void KvState::restore_frontiers(const Tensor & backup) {
-    size_t at = 0;
-    for (LayerState & s : layers_)
-        for (const Tensor * t : {&s.comp_kv, &s.comp_score, &s.idx_kv, &s.idx_score})
-            if (*t) {
-                backend_.copy(*t, backup, t->n_bytes(), 0, at);
-                at += t->n_bytes();
-            }
+    for_each_frontier(layers_, [&](const Tensor & t, size_t at) { backend_.copy(t, backup, t.n_bytes(), 0, at); });
 }
 
 std::string KvState::snapshot() const {
