@@ -1430,8 +1430,8 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
             }
 #pragma unroll
             for (int j = 0; j < kChannelN8; ++j)
-                *reinterpret_cast<float2 *>(part + 2 + ch0 + 8 * j + 2 * c4) =
-                    make_float2(out[j][2 * half_row], out[j][2 * half_row + 1]);
+                __stwb(reinterpret_cast<float2 *>(part + 2 + ch0 + 8 * j + 2 * c4),
+                       make_float2(out[j][2 * half_row], out[j][2 * half_row + 1]));  // as the output's, below
             continue;
         }
         const float sink = a.sinks[h0 + r];
