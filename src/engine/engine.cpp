@@ -356,6 +356,10 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
             s.n_expert_used = c.n_expert_used;
             s.n_head = c.n_head;
             s.head_dim = c.head_dim;
+            // q_b, o_a, o_b, the shared expert's matrices, MTP's projection of [embedding, hidden]
+            s.dense_weight =
+                std::max({c.q_dim() * c.q_lora_rank, c.q_dim() * c.o_lora_rank, c.n_embd * c.o_groups * c.o_lora_rank,
+                          c.n_embd * c.expert_ff * std::max<int64_t>(c.n_expert_shared, 1), 2 * c.n_embd * c.n_embd});
             for (const LayerConfig & l : c.layers)
                 if (l.compress_ratio > 0)
                     s.min_ratio = s.min_ratio ? std::min(s.min_ratio, l.compress_ratio) : l.compress_ratio;

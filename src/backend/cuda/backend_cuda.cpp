@@ -9,6 +9,7 @@
 #include "util/log.h"
 #include "util/timer.h"
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -57,6 +58,12 @@ class DeviceBuffer final : public BackendBuffer {
 };
 
 static_assert(cuda::kCandidateBins == kCandidateBins && cuda::kCandidateBinsPerNat == kCandidateBinsPerNat);
+
+// Dense products on cuBLAS (CudaBackend::dense_on_cublas): from this many tokens, and for weights of at most this
+// many values when they must be decoded to f16 first (a decoded copy lives in the scratch arena: 64 MB for V4
+// Flash's q_b, wo_a and wo_b; the output head, 1 GB as f16, stays on the tiles).
+constexpr int64_t kCublasMinTokens = 1024;
+constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
 
 // Pinned host staging for uploads: two slots, so the copy of one chunk into a slot overlaps the transfer of the
 // other. Quantized blocks land in a device staging slot and are re-laid from there.
@@ -113,6 +120,7 @@ class CudaBackend final : public Backend {
         for (cudaEvent_t e : io_done_)
             if (e) cudaEventDestroy(e);
         if (scratch_) cudaFree(scratch_);
+        if (cublas_) cublasDestroy(cublas_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
         cudaEventDestroy(side_fork_);
@@ -931,6 +939,11 @@ class CudaBackend final : public Backend {
         bool tensor_cores = tensor_cores_ && cuda::gemm_inputs_aligned(a);
         for (int i = 0; i < a.n_targets; ++i)
             tensor_cores = tensor_cores && cuda_tensor_core_product(a.t[i].w.type, a.t[i].w.ne0, a.n);
+        if (tensor_cores && dense_on_cublas(a)) {
+            gemm_cublas(a);
+            launched("gemm (cuBLAS)");
+            return;
+        }
         if (tensor_cores) {
             uint16_t * x16 = static_cast<uint16_t *>(scratch(size_t(a.n * a.x_stride) * 2));
             cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
@@ -948,6 +961,76 @@ class CudaBackend final : public Backend {
         if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
+    }
+
+    // Dense prefill products of at least kCublasMinTokens tokens run on cuBLAS (every gemm weight type but IQ2_XXS;
+    // no expert tiles, no SwiGLU of the outputs): the same f16 terms as the tiles, and an 8K prompt's prefill 21 %
+    // faster on an H200 (docs/cuda.md, "Session 29"). DSV4_CUDA_CUBLAS=0 keeps them on the tiles;
+    // DSV4_CUDA_CUBLAS_MIN_TOKENS moves the threshold (the tests run the small products' cases through cuBLAS).
+    bool dense_on_cublas(const cuda::MatvecArgs & a) const {
+        static const bool on = [] {
+            const char * e = std::getenv("DSV4_CUDA_CUBLAS");
+            return !e || std::strcmp(e, "0") != 0;
+        }();
+        static const int64_t min_tokens = [] {
+            const char * e = std::getenv("DSV4_CUDA_CUBLAS_MIN_TOKENS");
+            return e ? std::max<int64_t>(1, std::atoll(e)) : kCublasMinTokens;
+        }();
+        // Never inside a capture (decode's graphs): the handle and the arena may not be made there.
+        if (!on || capturing_ || a.tiles || a.pair_experts || a.glu || a.n < min_tokens) return false;
+        for (int i = 0; i < a.n_targets; ++i)
+            if (!cuda::weights_f16_supported(a.t[i].w.type) || a.t[i].w.ne0 % 8 != 0 ||
+                (a.t[i].w.type != GgmlType::F16 && a.t[i].rows * a.groups * a.t[i].w.ne0 > kCublasMaxWeight))
+                return false;
+        return true;
+    }
+
+    // y = W·x (+ add) for every target: the activations rounded to f16 as the tiles take them, the weights as the
+    // tiles decode them (F16 in place, others decoded into the arena one target at a time), f32 accumulation; a
+    // grouped product is one strided batch (group g: rows [g·rows, (g+1)·rows) of W, x columns [gK, (g+1)K),
+    // y columns [g·rows, ...)).
+    void gemm_cublas(const cuda::MatvecArgs & a) {
+        if (!cublas_) {
+            check_cublas(cublasCreate(&cublas_), "cublasCreate");
+            check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
+        }
+        const int64_t k = a.t[0].w.ne0;
+        size_t w_bytes = 0;
+        for (int i = 0; i < a.n_targets; ++i)
+            if (a.t[i].w.type != GgmlType::F16)
+                w_bytes = std::max(w_bytes, size_t(a.t[i].rows * a.groups * a.t[i].w.ne0) * 2);
+        const size_t x_bytes = round_up(size_t(a.n * a.x_stride) * 2);
+        uint8_t * base = static_cast<uint8_t *>(scratch(x_bytes + w_bytes));
+        uint16_t * x16 = reinterpret_cast<uint16_t *>(base);
+        uint16_t * w16 = reinterpret_cast<uint16_t *>(base + x_bytes);
+        cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
+        for (int i = 0; i < a.n_targets; ++i) {
+            const cuda::MatvecTarget & t = a.t[i];
+            DSV4_CHECK(t.w.ne0 == k, "cuda gemm_cublas: targets of one input differ in K ({} and {})", k, t.w.ne0);
+            const uint16_t * w = reinterpret_cast<const uint16_t *>(t.w.data);
+            if (t.w.type != GgmlType::F16) {
+                cuda::weights_f16(t.w, t.rows * a.groups, w16, stream_);
+                w = w16;
+            }
+            float beta = 0.0f;
+            if (t.add) {
+                if (t.add != t.y)
+                    check(cudaMemcpy2DAsync(t.y, size_t(t.y_stride) * 4, t.add, size_t(t.y_stride) * 4,
+                                            size_t(t.rows * a.groups) * 4, size_t(a.n), cudaMemcpyDeviceToDevice,
+                                            stream_),
+                          "cudaMemcpy2DAsync(add)");
+                beta = 1.0f;
+            }
+            const float alpha = 1.0f;
+            check_cublas(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(t.rows), int(a.n), int(k),
+                                                    &alpha, w, CUDA_R_16F, int(k), t.rows * k, x16, CUDA_R_16F,
+                                                    int(a.x_stride), k, &beta, t.y, CUDA_R_32F, int(t.y_stride), t.rows,
+                                                    a.groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                         "cublasGemmStridedBatchedEx");
+        }
+    }
+    static void check_cublas(cublasStatus_t st, const char * what) {
+        if (st != CUBLAS_STATUS_SUCCESS) fail("cuda: {} failed: {}", what, cublasGetStatusString(st));
     }
 
     cuda::HcArgs hc_pre_args(const Tensor & streams, const HcPre & w, const Tensor & y, const Tensor & post,
@@ -1057,6 +1140,7 @@ class CudaBackend final : public Backend {
     unsigned * hc_done_ = nullptr;
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;
+    cublasHandle_t cublas_ = nullptr;  // created at the first dense product on cuBLAS
     // Device bytes held now and at most (cudaMalloc'd buffers, weights, scratch, staging).
     int64_t held_bytes_ = 0;
     uint64_t peak_bytes_ = 0;
@@ -1163,8 +1247,11 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // a value; f16 on the tensor cores: 2), ids.
     const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f +
                          (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 2 + pairs * 16 + (1 << 20);
-    // A dense product's f16 activations on the tensor cores; the widest input is the attention output.
-    const uint64_t dense = uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2;
+    // A dense product's f16 activations on the tensor cores (the widest input is the attention output), and on
+    // cuBLAS the largest decoded weight beside them.
+    const uint64_t dense =
+        uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2 + 256 +
+        (s.n_ubatch >= kCublasMinTokens ? uint64_t(std::min(s.dense_weight, kCublasMaxWeight)) * 2 : 0);
     const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
     // indexer_select's scratch; top_k 1: a larger k can only turn the decode top-k's split (its candidates) off.
     const uint64_t idx = rows > 0 ? indexer_op_scratch(std::max<int64_t>(s.n_ubatch, 1), int64_t(rows), 1) : 0;

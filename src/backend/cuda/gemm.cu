@@ -635,6 +635,17 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
 }
 
+// Rows of a weight as f16, row-major [rows][K], each value the one the tiles multiply (load8 + raw8_to_f16): a
+// dense product on these and the f16 activations sums the same terms as the tiles, in another order.
+template <GgmlType T>
+__global__ void weights_f16_kernel(const WeightRef w, int64_t rows, half * dst) {
+    pdl_begin();
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = w.ne0 / 8;
+    if (i >= rows * per_row) return;
+    const int64_t row = i / per_row, col = i % per_row * 8;
+    *reinterpret_cast<uint4 *>(dst + row * w.ne0 + col) = raw8_to_f16<T>(load8<T>(w, row, col), int(col), nullptr);
+}
+
 // Static shared memory of a block, at most: src and dst (128 tokens), the IQ2_XXS tables, and 256 bytes for the
 // token count and what ptxas adds (ptxas -v: 2176 bytes at 128 tokens, 4352 with the IQ2_XXS tables).
 template <GgmlType T>
@@ -779,6 +790,21 @@ void gemm_activations(const float * x, const float * x_up, float limit, int64_t 
     if (n > 0)
         launch(activations_f16_kernel, dim3(unsigned((n / 8 + threads - 1) / threads)), dim3(threads), 0, s, x, x_up,
                limit, n, reinterpret_cast<half *>(dst));
+}
+
+bool weights_f16_supported(GgmlType w) {
+    return w != GgmlType::IQ2_XXS && with_gemm_type(w, [](auto) {});
+}
+
+void weights_f16(const WeightRef & w, int64_t rows, uint16_t * dst, cudaStream_t s) {
+    const int64_t n = rows * (w.ne0 / 8), threads = 256;
+    if (n <= 0) return;
+    with_gemm_type(w.type, [&](auto type) {
+        constexpr GgmlType T = decltype(type)::value;
+        if constexpr (T != GgmlType::IQ2_XXS)
+            launch(weights_f16_kernel<T>, dim3(unsigned((n + threads - 1) / threads)), dim3(threads), 0, s, w, rows,
+                   reinterpret_cast<half *>(dst));
+    });
 }
 
 int gemm_tile_tokens(int64_t tokens_per_matrix, GgmlType w) {

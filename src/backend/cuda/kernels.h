@@ -137,6 +137,10 @@ bool gemm_inputs_aligned(const MatvecArgs & a);
 void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, uint16_t * dst,
                       cudaStream_t s);
 void gemm(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
+// Dense products on cuBLAS (backend_cuda.cpp): a weight's first `rows` rows as f16 [rows][K], the values the tiles
+// decode (every gemm type but IQ2_XXS, whose tiles need their lookup tables).
+bool weights_f16_supported(GgmlType w);
+void weights_f16(const WeightRef & w, int64_t rows, uint16_t * dst, cudaStream_t s);
 
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
