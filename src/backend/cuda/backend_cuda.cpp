@@ -991,6 +991,7 @@ class CudaBackend final : public Backend {
     // y columns [g·rows, ...)).
     void gemm_cublas(const cuda::MatvecArgs & a) {
         if (!cublas_) {
+            bind();  // a handle belongs to the device current at its creation
             check_cublas(cublasCreate(&cublas_), "cublasCreate");
             check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
         }
