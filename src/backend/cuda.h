@@ -52,11 +52,11 @@ CudaMemoryInfo cuda_memory_info(int device);
 
 // Bytes of device scratch the CUDA backend allocates beside the model's own buffers for chunks of n_ubatch
 // tokens (MoE gather buffers, attention split partials, indexer scores over n_ctx / ratio rows, a prefill
-// product's weight decoded to f16 for cuBLAS) and the weight upload's device staging: what a memory plan adds to
-// the weights, the KV state and the model's workspace.
+// product's weight or a batch of routed experts decoded to f16 for cuBLAS) and the weight upload's device staging: what
+// a memory plan adds to the weights, the KV state and the model's workspace.
 struct CudaScratchShape {
-    int64_t n_ubatch = 1, n_ctx = 0, n_embd = 0, expert_ff = 0, n_expert_used = 0, n_head = 0, head_dim = 0,
-            min_ratio = 0;
+    int64_t n_ubatch = 1, n_ctx = 0, n_embd = 0, expert_ff = 0, n_expert = 0, n_expert_used = 0, n_head = 0,
+            head_dim = 0, min_ratio = 0;
     int64_t dense_weight = 0;  // values of the largest dense (non-expert) projection weight but the output head
 };
 uint64_t cuda_scratch_bytes(const CudaScratchShape & s);

@@ -353,6 +353,7 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
             s.n_ctx = ctx;
             s.n_embd = c.n_embd;
             s.expert_ff = c.expert_ff;
+            s.n_expert = c.n_expert;
             s.n_expert_used = c.n_expert_used;
             s.n_head = c.n_head;
             s.head_dim = c.head_dim;

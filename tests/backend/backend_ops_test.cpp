@@ -1102,6 +1102,7 @@ TEST(Ops, LogitCandidates) {
 struct MoeCase {
     GgmlType gate, down;
     int64_t dim, inner, n_expert, k, n;
+    int64_t routed_to = 0;  // tokens choose among the first routed_to experts (0: all), leaving the others unused
 };
 
 class Moe : public ::testing::TestWithParam<MoeCase> {};
@@ -1115,7 +1116,7 @@ TEST_P(Moe, MatchesCpu) {
     std::vector<int32_t> ids(size_t(m.n * m.k));
     std::vector<float> w(size_t(m.n * m.k));
     for (int64_t t = 0; t < m.n; ++t) {
-        std::vector<int32_t> all(static_cast<size_t>(m.n_expert));
+        std::vector<int32_t> all(static_cast<size_t>(m.routed_to ? m.routed_to : m.n_expert));
         std::iota(all.begin(), all.end(), 0);
         std::shuffle(all.begin(), all.end(), rng());
         for (int64_t j = 0; j < m.k; ++j) {
@@ -1174,7 +1175,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::Q4_K, GgmlType::Q4_K, 4096, 2048, 8, 6, 40},
                                            MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 64},
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},
-                                           MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64}));
+                                           MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64},
+                                           // unused experts: on cuBLAS (DSV4_CUDA_MOE_CUBLAS=1, from 128 pairs an
+                                           // expert on average, as the 400-token case above) one is padded with the
+                                           // others, and three of eight leave the chunk on the tiles
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 400, 15},
+                                           MoeCase{GgmlType::Q4_K, GgmlType::Q2_K, 1024, 512, 8, 4, 300, 5}));
 
 // The FFN sublayer (moe_ffn) at V4 Flash's widths with 16 experts. The CUDA backend's one-token path for the q2 mix
 // (x quantized once for both kinds, the shared expert's down projection inside the routed gate/up launch, the

@@ -64,6 +64,23 @@ static_assert(cuda::kCandidateBins == kCandidateBins && cuda::kCandidateBinsPerN
 // Flash's q_b, wo_a and wo_b; the output head, 1 GB as f16, stays on the tiles).
 constexpr int64_t kCublasMinTokens = 1024;
 constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
+// A prefill chunk's routed experts on cuBLAS (CudaBackend::moe_cublas): from this many pairs an expert on average
+// (a chunk of 5462 tokens of V4 Flash), their f16 weights decoded into two buffers of this many bytes (16 experts'
+// gate and up of V4 Flash each).
+constexpr int64_t kMoeCublasMinPairs = 128;
+constexpr int64_t kMoeCublasWeightBytes = int64_t(512) << 20;
+// A switch of the environment: "0" is off, anything else on, unset the default.
+bool env_switch(const char * name, bool default_on) {
+    const char * e = std::getenv(name);
+    return e ? std::strcmp(e, "0") != 0 : default_on;
+}
+// The routed experts on cuBLAS are asked for (DSV4_CUDA_MOE_CUBLAS=1) and cuBLAS is not turned off.
+bool moe_cublas_requested() {
+    return env_switch("DSV4_CUDA_CUBLAS", true) && env_switch("DSV4_CUDA_MOE_CUBLAS", false);
+}
+// Rows moe_cublas lays its pairs out in at most: it pads a batch's experts to one token count only where that adds
+// at most a quarter of the batch's pairs plus 32 rows an expert.
+int64_t moe_cublas_rows(int64_t n_pairs, int64_t n_expert) { return n_pairs + n_pairs / 4 + 32 * n_expert; }
 
 // Pinned host staging for uploads: two slots, so the copy of one chunk into a slot overlaps the transfer of the
 // other. Quantized blocks land in a device staging slot and are re-laid from there.
@@ -85,14 +102,27 @@ class CudaBackend final : public Backend {
         check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(side)");
         check(cudaEventCreateWithFlags(&side_fork_, cudaEventDisableTiming), "cudaEventCreate(side)");
         check(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming), "cudaEventCreate(side)");
+        for (int i = 0; i < 2; ++i) {
+            check(cudaEventCreateWithFlags(&moe_decoded_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
+            check(cudaEventCreateWithFlags(&moe_read_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
+        }
         release_host_pages_ = o.release_host_pages || prop.integrated;
         if (prop.integrated)
             log_info(
                 "cuda: {} is an integrated GPU (memory shared with the CPU): weight pages of the model file are "
                 "released from the page cache as they are copied, so the weights are held once",
                 prop.name);
-        if (const char * env = std::getenv("DSV4_CUDA_GRAPHS")) graphs_enabled_ = std::strcmp(env, "0") != 0;
-        if (const char * env = std::getenv("DSV4_CUDA_PROFILE")) profile_ = std::strcmp(env, "0") != 0;
+        integrated_ = prop.integrated;
+        graphs_enabled_ = env_switch("DSV4_CUDA_GRAPHS", graphs_enabled_);
+        profile_ = env_switch("DSV4_CUDA_PROFILE", false);
+        cublas_enabled_ = env_switch("DSV4_CUDA_CUBLAS", true);
+        moe_cublas_enabled_ = moe_cublas_requested();
+        if (const char * env = std::getenv("DSV4_CUDA_CUBLAS_MIN_TOKENS"))
+            cublas_min_tokens_ = std::max<int64_t>(1, std::atoll(env));
+        if (const char * env = std::getenv("DSV4_CUDA_MOE_CUBLAS_MIN_PAIRS"))
+            moe_cublas_min_pairs_ = std::max<int64_t>(1, std::atoll(env));
+        if (const char * env = std::getenv("DSV4_CUDA_MOE_CUBLAS_BATCH"))
+            moe_cublas_batch_ = std::max<int64_t>(1, std::atoll(env));
         if (profile_) graphs_enabled_ = false;  // op timings need eager launches
 
         cuda::Iq2Tables t{};
@@ -125,6 +155,10 @@ class CudaBackend final : public Backend {
         cudaFree(hc_done_);
         cudaEventDestroy(side_fork_);
         cudaEventDestroy(side_done_);
+        for (int i = 0; i < 2; ++i) {
+            cudaEventDestroy(moe_decoded_[i]);
+            cudaEventDestroy(moe_read_[i]);
+        }
         cudaStreamDestroy(side_);
         cudaStreamDestroy(stream_);
         if (uploaded_ > 0)
@@ -594,6 +628,9 @@ class CudaBackend final : public Backend {
         const bool tensor_cores = tensor_cores_ &&
                                   cuda_tensor_core_moe(gate.type, down.type, dim, inner, n_pairs, n_expert) &&
                                   cuda::gemm_inputs_aligned(g);
+        if (tensor_cores && moe_on_cublas(gate, down, n_pairs) &&
+            moe_cublas(x, experts, weights, gate, up, down, limit, out))
+            return;
         const int nt = tensor_cores ? std::min(cuda::gemm_tile_tokens(n_pairs / n_expert, gate.type),
                                                cuda::gemm_tile_tokens(n_pairs / n_expert, down.type))
                                     : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
@@ -634,7 +671,7 @@ class CudaBackend final : public Backend {
         d.t[0].y = ybuf;
         d.t[0].y_stride = dim;
         if (tensor_cores) {
-            cuda::gemm_activations(x.f32(), nullptr, 0, n, dim, reinterpret_cast<uint16_t *>(xq), stream_);
+            cuda::gemm_activations(x.f32(), nullptr, 0, n, dim, dim, reinterpret_cast<uint16_t *>(xq), stream_);
             g.x_f16 = reinterpret_cast<const uint16_t *>(xq);
         } else if (gq) {
             const cuda::QuantizeJob job{gate.type, x.f32(), nullptr, 0, dim, n, 1, dim, xq};
@@ -643,7 +680,7 @@ class CudaBackend final : public Backend {
         }
         for (cuda::MatvecArgs * a : {&g, &d}) {
             if (a == &d && tensor_cores) {
-                cuda::gemm_activations(h, nullptr, 0, n_pairs, inner, reinterpret_cast<uint16_t *>(hq), stream_);
+                cuda::gemm_activations(h, nullptr, 0, n_pairs, inner, inner, reinterpret_cast<uint16_t *>(hq), stream_);
                 d.x_f16 = reinterpret_cast<const uint16_t *>(hq);
             } else if (a == &d && dq) {
                 const cuda::QuantizeJob job{down.type, h, nullptr, 0, inner, n_pairs, 1, inner, hq};
@@ -664,8 +701,132 @@ class CudaBackend final : public Backend {
                 cuda::matvec(*a, max_tiles, nt, stream_);
             launched(a == &g ? "moe gate/up" : "moe down");
         }
-        cuda::moe_combine(ybuf, experts.i32(), weights.f32(), n, k, n_expert, dim, nullptr, out.f32(), stream_);
+        cuda::moe_combine(ybuf, nullptr, experts.i32(), weights.f32(), n, k, n_expert, dim, nullptr, out.f32(),
+                          stream_);
         launched("moe_combine");
+    }
+
+    // With DSV4_CUDA_MOE_CUBLAS=1, a prefill chunk's routed experts on cuBLAS where they see kMoeCublasMinPairs
+    // pairs an expert on average (DSV4_CUDA_MOE_CUBLAS_MIN_PAIRS moves it): each expert's gate and up decoded
+    // to one f16 [2I][D] matrix and its down to [D][I], the values the tiles decode, a batch of experts at a time
+    // on side_ into two buffers in turn while stream_ multiplies the batch before. cuBLAS has no grouped f16 × f16
+    // → f32 product, and a product an expert cost 0.1–1 ms of host time at each new token count (docs/cuda.md,
+    // "Session 30"), so a batch's experts are padded to one token count (the largest, rounded up to 32) and run as
+    // one strided batch. Where that would add more than a quarter of a batch's pairs (a hot expert), the chunk's
+    // experts stay on the tiles (moe_cublas returns false before it enqueues anything but the plan). It reads the
+    // experts' pair counts on the host (one wait a layer) and writes every used expert's f16 weights once a chunk
+    // (12.9 GB a V4 Flash layer): never on an integrated GPU, whose bandwidth makes that write cost more than the
+    // tiles' products.
+    bool moe_on_cublas(const Tensor & gate, const Tensor & down, int64_t n_pairs) const {
+        const int64_t dim = gate.ne[0], inner = gate.ne[1], n_expert = gate.ne[2];
+        return moe_cublas_enabled_ && !capturing_ && !integrated_ && n_pairs >= moe_cublas_min_pairs_ * n_expert &&
+               cuda::weights_f16_supported(gate.type, dim) && cuda::weights_f16_supported(down.type, inner) &&
+               4 * inner * dim <= kMoeCublasWeightBytes;
+    }
+
+    bool moe_cublas(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate,
+                    const Tensor & up, const Tensor & down, float limit, const Tensor & out) {
+        const int64_t n = x.rows(), dim = x.ne[0], inner = gate.ne[1], n_expert = gate.ne[2], k = experts.ne[0];
+        const int64_t n_pairs = n * k;
+        const int64_t batch = std::min({n_expert, kMoeCublasWeightBytes / (4 * inner * dim), moe_cublas_batch_});
+        const int64_t max_rows = moe_cublas_rows(n_pairs, n_expert);
+        // Scratch: the sorted pairs, each pair's row, the plan (one tile an expert: {expert, first, count}, then the
+        // count of tiles), each expert's row base; f16 rows [max_rows, max(D, I)]: the gathered inputs, then the
+        // hidden rows; f32 rows [max_rows, max(2I, D)]: gate | up, then the experts' outputs; two buffers of decoded
+        // experts.
+        const size_t ints_bytes = round_up(size_t(2 * n_pairs + 4 * n_expert + 1) * sizeof(int32_t));
+        const size_t f16_bytes = round_up(size_t(max_rows * std::max(dim, inner)) * 2);
+        const size_t f32_bytes = round_up(size_t(max_rows * std::max(2 * inner, dim)) * sizeof(float));
+        const size_t w_bytes = size_t(batch * 4 * inner * dim);
+        uint8_t * base = static_cast<uint8_t *>(scratch(ints_bytes + f16_bytes + f32_bytes + 2 * w_bytes));
+        int32_t * pairs = reinterpret_cast<int32_t *>(base);
+        int32_t * row_of = pairs + n_pairs;
+        int32_t * tiles = row_of + n_pairs;
+        int32_t * row_base_dev = tiles + 3 * n_expert + 1;
+        uint16_t * rows16 = reinterpret_cast<uint16_t *>(base + ints_bytes);
+        float * rows32 = reinterpret_cast<float *>(base + ints_bytes + f16_bytes);
+        uint16_t * w16[2] = {reinterpret_cast<uint16_t *>(base + ints_bytes + f16_bytes + f32_bytes),
+                             reinterpret_cast<uint16_t *>(base + ints_bytes + f16_bytes + f32_bytes + w_bytes)};
+        join_side();
+        cuda::moe_plan(experts.i32(), n_pairs, n_expert, int(n_pairs), pairs, tiles, tiles + 3 * n_expert, stream_);
+        launched("moe_plan");
+        std::vector<int32_t> plan(size_t(3 * n_expert + 1));
+        check(cudaMemcpyAsync(plan.data(), tiles, plan.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+              "cudaMemcpyAsync(moe plan)");
+        // Also what side_ needs: stream_'s earlier work on the arena is done when it starts decoding.
+        check(cudaStreamSynchronize(stream_), "synchronize (moe plan)");
+
+        // The rows' layout, batch by batch: {first expert, end, first tile, end, first row, token count of each
+        // expert}; row_base[e] = expert e's first row - its first sorted pair.
+        struct Batch {
+            int64_t e0, e1;
+            int32_t i0, i1;
+            int64_t row0, padded_to;
+        };
+        std::vector<Batch> batches;
+        std::vector<int32_t> row_base(size_t(n_expert), 0);
+        const int32_t n_used = plan.back();
+        auto tile = [&](int32_t i, int field) { return int64_t(plan[size_t(3 * i + field)]); };
+        int64_t rows = 0;
+        for (int32_t i = 0; i < n_used;) {
+            Batch b{tile(i, 0) / batch * batch, 0, i, i, rows, 0};
+            b.e1 = std::min(n_expert, b.e0 + batch);
+            int64_t most = 0, sum = 0;
+            for (; b.i1 < n_used && tile(b.i1, 0) < b.e1; ++b.i1) {
+                most = std::max(most, tile(b.i1, 2));
+                sum += tile(b.i1, 2);
+            }
+            b.padded_to = (most + 31) / 32 * 32;
+            if ((b.e1 - b.e0) * b.padded_to > sum + sum / 4 + 32 * (b.e1 - b.e0)) return false;
+            for (int32_t j = b.i0; j < b.i1; ++j)
+                row_base[size_t(tile(j, 0))] = int32_t(rows + (tile(j, 0) - b.e0) * b.padded_to - tile(j, 1));
+            rows += (b.e1 - b.e0) * b.padded_to;
+            batches.push_back(b);
+            i = b.i1;
+        }
+        DSV4_CHECK(rows <= max_rows, "cuda moe_cublas: {} rows laid out, {} planned", rows, max_rows);
+        const int64_t n_sorted = n_used > 0 ? tile(n_used - 1, 1) + tile(n_used - 1, 2) : 0;
+        check(cudaMemcpyAsync(row_base_dev, row_base.data(), row_base.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                              stream_),
+              "cudaMemcpyAsync(moe rows)");
+        cuda::moe_gather_f16(x.f32(), dim, dim, pairs, int(k), experts.i32(), row_base_dev, n_sorted, rows16, row_of,
+                             stream_);
+        bind_cublas();
+        const cuda::WeightRef up_ref = ref(up);
+        int turn = 0;  // batches decoded so far: buffer turn % 2 is next
+        // y = W_e · in over each expert's rows (column-major: W_e is op(A) = Aᵀ of its [rows][K] f16 rows, the
+        // pairs' rows are B's columns).
+        auto products = [&](bool gate_up, const uint16_t * in, float * y) {
+            const int64_t m = gate_up ? 2 * inner : dim, kk = gate_up ? dim : inner;
+            const float one = 1.0f, zero = 0.0f;
+            for (const Batch & b : batches) {
+                const int slot = turn % 2;
+                if (turn++ >= 2) check(cudaStreamWaitEvent(side_, moe_read_[slot]), "cudaStreamWaitEvent(moe)");
+                if (gate_up)
+                    cuda::weights_f16(ref(gate), &up_ref, b.e0 * inner, inner, b.e1 - b.e0, w16[slot], side_);
+                else
+                    cuda::weights_f16(ref(down), nullptr, b.e0 * dim, dim, b.e1 - b.e0, w16[slot], side_);
+                check(cudaEventRecord(moe_decoded_[slot], side_), "cudaEventRecord(moe)");
+                check(cudaStreamWaitEvent(stream_, moe_decoded_[slot]), "cudaStreamWaitEvent(moe)");
+                // Unused experts' rows (and the rows past each expert's pairs) are computed from whatever the
+                // arena holds there and never read.
+                check_cublas(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(b.padded_to),
+                                                        int(kk), &one, w16[slot], CUDA_R_16F, int(kk), m * kk,
+                                                        in + b.row0 * kk, CUDA_R_16F, int(kk), b.padded_to * kk, &zero,
+                                                        y + b.row0 * m, CUDA_R_32F, int(m), b.padded_to * m,
+                                                        int(b.e1 - b.e0), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                             "cublasGemmStridedBatchedEx (experts)");
+                check(cudaEventRecord(moe_read_[slot], stream_), "cudaEventRecord(moe)");
+            }
+        };
+        products(true, rows16, rows32);
+        cuda::gemm_activations(rows32, rows32 + inner, limit, rows, inner, 2 * inner, rows16, stream_);
+        products(false, rows16, rows32);
+        launched("moe (cuBLAS)");
+        cuda::moe_combine(rows32, row_of, experts.i32(), weights.f32(), n, k, n_expert, dim, nullptr, out.f32(),
+                          stream_);
+        launched("moe_combine");
+        return true;
     }
 
     // One token (decode) of a q2-mix file, in six launches instead of the composition's ten: x quantized once
@@ -738,7 +899,8 @@ class CudaBackend final : public Backend {
         d.t[0].y = ybuf;
         d.t[0].y_stride = dim;
         cuda::moe_down(d, int(k), stream_);
-        cuda::moe_combine(ybuf, f.experts.i32(), f.weights.f32(), 1, k, n_expert, dim, ysh, out.f32(), stream_);
+        cuda::moe_combine(ybuf, nullptr, f.experts.i32(), f.weights.f32(), 1, k, n_expert, dim, ysh, out.f32(),
+                          stream_);
         launched("moe_ffn down + combine");
     }
 
@@ -946,7 +1108,7 @@ class CudaBackend final : public Backend {
         }
         if (tensor_cores) {
             uint16_t * x16 = static_cast<uint16_t *>(scratch(size_t(a.n * a.x_stride) * 2));
-            cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
+            cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, a.x_stride, x16, stream_);
             a.x_f16 = x16;
             int nt = 128;
             for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::gemm_tile_tokens(a.n, a.t[i].w.type));
@@ -963,26 +1125,26 @@ class CudaBackend final : public Backend {
         launched("matmul");
     }
 
-    // Dense prefill products of at least kCublasMinTokens tokens run on cuBLAS (every gemm weight type but IQ2_XXS;
-    // no expert tiles, no SwiGLU of the outputs): the same f16 terms as the tiles, and an 8K prompt's prefill 21 %
-    // faster on an H200 (docs/cuda.md, "Session 29"). DSV4_CUDA_CUBLAS=0 keeps them on the tiles;
-    // DSV4_CUDA_CUBLAS_MIN_TOKENS moves the threshold (the tests run the small products' cases through cuBLAS).
+    // Dense prefill products of at least kCublasMinTokens tokens run on cuBLAS (no expert tiles, no SwiGLU of the
+    // outputs): the same f16 terms as the tiles, and an 8K prompt's prefill 21 % faster on an H200 (docs/cuda.md,
+    // "Session 29"). DSV4_CUDA_CUBLAS=0 keeps every product on the tiles; DSV4_CUDA_CUBLAS_MIN_TOKENS moves the
+    // threshold (the tests run the small products' cases through cuBLAS).
     bool dense_on_cublas(const cuda::MatvecArgs & a) const {
-        static const bool on = [] {
-            const char * e = std::getenv("DSV4_CUDA_CUBLAS");
-            return !e || std::strcmp(e, "0") != 0;
-        }();
-        static const int64_t min_tokens = [] {
-            const char * e = std::getenv("DSV4_CUDA_CUBLAS_MIN_TOKENS");
-            return e ? std::max<int64_t>(1, std::atoll(e)) : kCublasMinTokens;
-        }();
         // Never inside a capture (decode's graphs): the handle and the arena may not be made there.
-        if (!on || capturing_ || a.tiles || a.pair_experts || a.glu || a.n < min_tokens) return false;
+        if (!cublas_enabled_ || capturing_ || a.tiles || a.pair_experts || a.glu || a.n < cublas_min_tokens_)
+            return false;
         for (int i = 0; i < a.n_targets; ++i)
-            if (!cuda::weights_f16_supported(a.t[i].w.type) || a.t[i].w.ne0 % 8 != 0 ||
+            if (!cuda::weights_f16_supported(a.t[i].w.type, a.t[i].w.ne0) ||
                 (a.t[i].w.type != GgmlType::F16 && a.t[i].rows * a.groups * a.t[i].w.ne0 > kCublasMaxWeight))
                 return false;
         return true;
+    }
+
+    void bind_cublas() {
+        if (cublas_) return;
+        bind();  // a handle belongs to the device current at its creation
+        check_cublas(cublasCreate(&cublas_), "cublasCreate");
+        check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
     }
 
     // y = W·x (+ add) for every target: the activations rounded to f16 as the tiles take them, the weights as the
@@ -990,11 +1152,7 @@ class CudaBackend final : public Backend {
     // grouped product is one strided batch (group g: rows [g·rows, (g+1)·rows) of W, x columns [gK, (g+1)K),
     // y columns [g·rows, ...)).
     void gemm_cublas(const cuda::MatvecArgs & a) {
-        if (!cublas_) {
-            bind();  // a handle belongs to the device current at its creation
-            check_cublas(cublasCreate(&cublas_), "cublasCreate");
-            check_cublas(cublasSetStream(cublas_, stream_), "cublasSetStream");
-        }
+        bind_cublas();
         const int64_t k = a.t[0].w.ne0;
         size_t w_bytes = 0;
         for (int i = 0; i < a.n_targets; ++i)
@@ -1004,13 +1162,13 @@ class CudaBackend final : public Backend {
         uint8_t * base = static_cast<uint8_t *>(scratch(x_bytes + w_bytes));
         uint16_t * x16 = reinterpret_cast<uint16_t *>(base);
         uint16_t * w16 = reinterpret_cast<uint16_t *>(base + x_bytes);
-        cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, x16, stream_);
+        cuda::gemm_activations(a.x, a.x_up, a.x_limit, a.n, a.x_stride, a.x_stride, x16, stream_);
         for (int i = 0; i < a.n_targets; ++i) {
             const cuda::MatvecTarget & t = a.t[i];
             DSV4_CHECK(t.w.ne0 == k, "cuda gemm_cublas: targets of one input differ in K ({} and {})", k, t.w.ne0);
             const uint16_t * w = reinterpret_cast<const uint16_t *>(t.w.data);
             if (t.w.type != GgmlType::F16) {
-                cuda::weights_f16(t.w, t.rows * a.groups, w16, stream_);
+                cuda::weights_f16(t.w, nullptr, 0, t.rows * a.groups, 1, w16, stream_);
                 w = w16;
             }
             float beta = 0.0f;
@@ -1132,6 +1290,8 @@ class CudaBackend final : public Backend {
     cudaStream_t stream_ = nullptr;
     cudaStream_t side_ = nullptr;  // the decode boundaries' Sinkhorn, beside stream_ (mix_boundary)
     cudaEvent_t side_fork_ = nullptr, side_done_ = nullptr;
+    // moe_cublas: a buffer of decoded experts is written (on side_) / read by its last product (on stream_)
+    cudaEvent_t moe_decoded_[2] = {}, moe_read_[2] = {};
     bool side_pending_ = false;          // side_ has work stream_ has not joined
     const float * side_comb_ = nullptr;  // the comb whose Sinkhorn side_ ran last
     unsigned * sinkhorns_ = nullptr;     // device: Sinkhorns done since the last reset (mix_boundary)
@@ -1141,7 +1301,15 @@ class CudaBackend final : public Backend {
     unsigned * hc_done_ = nullptr;
     void * scratch_ = nullptr;
     size_t scratch_size_ = 0;
-    cublasHandle_t cublas_ = nullptr;  // created at the first dense product on cuBLAS
+    cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
+    bool cublas_enabled_ = true;
+    int64_t cublas_min_tokens_ = kCublasMinTokens;
+    // Off by default: on the synthetic files it gains on the layers whose routing is even and loses on the others,
+    // which fall back to the tiles (docs/cuda.md, "Session 30").
+    bool moe_cublas_enabled_ = false;
+    int64_t moe_cublas_min_pairs_ = kMoeCublasMinPairs;
+    int64_t moe_cublas_batch_ = INT64_MAX;  // experts a batch at most (tests: several batches of small experts)
+    bool integrated_ = false;
     // Device bytes held now and at most (cudaMalloc'd buffers, weights, scratch, staging).
     int64_t held_bytes_ = 0;
     uint64_t peak_bytes_ = 0;
@@ -1248,6 +1416,18 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // a value; f16 on the tensor cores: 2), ids.
     const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f +
                          (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 2 + pairs * 16 + (1 << 20);
+    // On cuBLAS (when asked for, in chunks of at least kMoeCublasMinPairs pairs an expert on average): sorted pairs and
+    // their rows, the plan, the gathered inputs or hidden rows (f16) and gate | up or the experts' outputs (f32) in the
+    // padded layout, two batches of decoded experts.
+    const uint64_t inner = uint64_t(s.expert_ff), dim = uint64_t(s.n_embd);
+    const uint64_t moe_rows = uint64_t(moe_cublas_rows(int64_t(pairs), s.n_expert));
+    const uint64_t moe_cublas =
+        moe_cublas_requested() && s.n_expert > 0 && int64_t(pairs) >= kMoeCublasMinPairs * s.n_expert
+            ? pairs * 8 + moe_rows * (std::max(dim, inner) * 2 + std::max(2 * inner, dim) * f) +
+                  uint64_t(s.n_expert) * 16 +
+                  uint64_t(std::min(s.n_expert, kMoeCublasWeightBytes / int64_t(4 * inner * dim))) * 8 * inner * dim +
+                  (1 << 20)
+            : 0;
     // A dense product's f16 activations on the tensor cores (the widest input is the attention output), and on
     // cuBLAS the largest decoded weight beside them.
     const uint64_t dense =
@@ -1259,7 +1439,7 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
     // The arena holds one op's scratch at a time; the upload staging stays allocated beside it.
-    return std::max({moe, idx, attn, dense}) + 2 * kStageBytes;
+    return std::max({moe, moe_cublas, idx, attn, dense}) + 2 * kStageBytes;
 }
 
 }  // namespace dsv4

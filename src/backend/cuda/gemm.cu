@@ -615,16 +615,19 @@ __global__ void __launch_bounds__(gemm_threads<ROWS, BN, WG>(), 512 / gemm_threa
     }
 }
 
-// Activations to f16, once per product: rows × width values (swiglu of x and x_up when x_up is given).
-__global__ void activations_f16_kernel(const float * x, const float * x_up, float limit, int64_t n, half * dst) {
+// Activations to f16, once per product: rows × width values, x_stride floats apart (swiglu of x and x_up when x_up
+// is given), written densely.
+__global__ void activations_f16_kernel(const float * x, const float * x_up, float limit, int64_t n, int64_t width,
+                                       int64_t x_stride, half * dst) {
     pdl_begin();
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
-    const float4 x0 = *reinterpret_cast<const float4 *>(x + i), x1 = *reinterpret_cast<const float4 *>(x + i + 4);
+    const int64_t at = i / width * x_stride + i % width;
+    const float4 x0 = *reinterpret_cast<const float4 *>(x + at), x1 = *reinterpret_cast<const float4 *>(x + at + 4);
     float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     if (x_up) {
-        const float4 u0 = *reinterpret_cast<const float4 *>(x_up + i);
-        const float4 u1 = *reinterpret_cast<const float4 *>(x_up + i + 4);
+        const float4 u0 = *reinterpret_cast<const float4 *>(x_up + at);
+        const float4 u1 = *reinterpret_cast<const float4 *>(x_up + at + 4);
         const float u[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = swiglu_one(v[e], u[e], limit);
@@ -635,15 +638,33 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
 }
 
-// Rows of a weight as f16, row-major [rows][K], each value the one the tiles multiply (load8 + raw8_to_f16): a
-// dense product on these and the f16 activations sums the same terms as the tiles, in another order.
+// Rows of a weight as f16, row-major, each value the one the tiles multiply (load8 + raw8_to_f16): a dense product
+// on these and the f16 activations sums the same terms as the tiles, in another order. Output row r of block b =
+// r / span (span = rows, or 2·rows when w2 is given) is row first + b·rows + r % span of w, or of w2 for the second
+// half of a span (an expert's gate and up as one [2·rows][K] matrix). A block's threads share an output row (the
+// row arithmetic, 32-bit, once a row: 64-bit divisions a group of 8 took several times the decode's instructions),
+// and a grid of a few blocks a multiprocessor fills IQ2_XXS's tables once a block.
 template <GgmlType T>
-__global__ void weights_f16_kernel(const WeightRef w, int64_t rows, half * dst) {
+__global__ void weights_f16_kernel(const WeightRef w, const WeightRef w2, int64_t first, int rows, int out_rows,
+                                   half * dst) {
+    __shared__ std::conditional_t<T == GgmlType::IQ2_XXS, Iq2TileTables, char> iq2;
+    const Iq2TileTables * iq2_tables = nullptr;
+    if constexpr (T == GgmlType::IQ2_XXS) {
+        fill_iq2_tile_tables(iq2, *w.iq2, blockDim.x);
+        __syncthreads();
+        iq2_tables = &iq2;
+    }
     pdl_begin();
-    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = w.ne0 / 8;
-    if (i >= rows * per_row) return;
-    const int64_t row = i / per_row, col = i % per_row * 8;
-    *reinterpret_cast<uint4 *>(dst + row * w.ne0 + col) = raw8_to_f16<T>(load8<T>(w, row, col), int(col), nullptr);
+    const int span = w2.data ? 2 * rows : rows;
+    for (int r = blockIdx.x; r < out_rows; r += gridDim.x) {
+        const int block = r / span, in_span = r - block * span;
+        const bool second = in_span >= rows;
+        const WeightRef src = second ? w2 : w;
+        const int64_t row = first + int64_t(block) * rows + (second ? in_span - rows : in_span);
+        half * out = dst + int64_t(r) * w.ne0;
+        for (int64_t col = threadIdx.x * 8; col < w.ne0; col += blockDim.x * 8)
+            *reinterpret_cast<uint4 *>(out + col) = raw8_to_f16<T>(load8<T>(src, row, col), int(col), iq2_tables);
+    }
 }
 
 // Static shared memory of a block, at most: src and dst (128 tokens), the IQ2_XXS tables, and 256 bytes for the
@@ -784,26 +805,26 @@ bool gemm_inputs_aligned(const MatvecArgs & a) {
     return aligned16(a.x) && (!a.x_up || aligned16(a.x_up)) && a.x_stride % 8 == 0;
 }
 
-void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, uint16_t * dst,
-                      cudaStream_t s) {
+void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, int64_t x_stride,
+                      uint16_t * dst, cudaStream_t s) {
     const int64_t n = rows * width, threads = 256;
     if (n > 0)
         launch(activations_f16_kernel, dim3(unsigned((n / 8 + threads - 1) / threads)), dim3(threads), 0, s, x, x_up,
-               limit, n, reinterpret_cast<half *>(dst));
+               limit, n, width, x_stride, reinterpret_cast<half *>(dst));
 }
 
-bool weights_f16_supported(GgmlType w) {
-    return w != GgmlType::IQ2_XXS && with_gemm_type(w, [](auto) {});
+bool weights_f16_supported(GgmlType w, int64_t k) {
+    return k % 8 == 0 && with_gemm_type(w, [](auto) {});
 }
 
-void weights_f16(const WeightRef & w, int64_t rows, uint16_t * dst, cudaStream_t s) {
-    const int64_t n = rows * (w.ne0 / 8), threads = 256;
-    if (n <= 0) return;
+void weights_f16(const WeightRef & w, const WeightRef * w2, int64_t first, int64_t rows, int64_t n_blocks,
+                 uint16_t * dst, cudaStream_t s) {
+    const int64_t out_rows = n_blocks * (w2 ? 2 : 1) * rows;
+    if (out_rows <= 0) return;
+    const int64_t blocks = std::min<int64_t>(out_rows, 16 * device_sms());
     with_gemm_type(w.type, [&](auto type) {
-        constexpr GgmlType T = decltype(type)::value;
-        if constexpr (T != GgmlType::IQ2_XXS)
-            launch(weights_f16_kernel<T>, dim3(unsigned((n + threads - 1) / threads)), dim3(threads), 0, s, w, rows,
-                   reinterpret_cast<half *>(dst));
+        launch(weights_f16_kernel<decltype(type)::value>, dim3(unsigned(blocks)), dim3(128), 0, s, w,
+               w2 ? *w2 : WeightRef{}, first, int(rows), int(out_rows), reinterpret_cast<half *>(dst));
     });
 }
 

@@ -134,21 +134,31 @@ int gemm_tile_tokens(int64_t tokens_per_matrix, GgmlType w);
 constexpr int kGemmMinTokens = 32;
 bool gemm_supported(GgmlType w, int64_t k);  // every type but F32, K a multiple of 64, tiles fit shared memory
 bool gemm_inputs_aligned(const MatvecArgs & a);
-void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, uint16_t * dst,
-                      cudaStream_t s);
+// rows × width activations, x_stride floats between rows (and between x_up's), to dense f16 rows.
+void gemm_activations(const float * x, const float * x_up, float limit, int64_t rows, int64_t width, int64_t x_stride,
+                      uint16_t * dst, cudaStream_t s);
 void gemm(const MatvecArgs & a, int64_t max_tiles, int tile_tokens, cudaStream_t s);
-// Dense products on cuBLAS (backend_cuda.cpp): a weight's first `rows` rows as f16 [rows][K], the values the tiles
-// decode (every gemm type but IQ2_XXS, whose tiles need their lookup tables).
-bool weights_f16_supported(GgmlType w);
-void weights_f16(const WeightRef & w, int64_t rows, uint16_t * dst, cudaStream_t s);
+// Products on cuBLAS (backend_cuda.cpp) read weights as f16 rows [rows][K] holding the values the tiles decode
+// (every gemm type): n_blocks blocks, block b rows [first + b·rows, first + (b + 1)·rows) of w, followed by the same
+// rows of w2 when given (the routed experts' gate and up, one [2·rows][K] matrix an expert); fewer than 2^31 rows.
+bool weights_f16_supported(GgmlType w, int64_t k);
+void weights_f16(const WeightRef & w, const WeightRef * w2, int64_t first, int64_t rows, int64_t n_blocks,
+                 uint16_t * dst, cudaStream_t s);
 
 // Groups the n·k (token, slot) pairs by expert: pairs (sorted pair ids), tiles of up to tile_tokens pairs of one
 // expert ({expert, first, count}), n_tiles. Pairs with an expert id outside [0, E) are dropped.
 void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int tile_tokens, int32_t * pairs,
               int32_t * tiles, int32_t * n_tiles, cudaStream_t s);
-// out[t] = Σ_j weights[t,j]·ybuf[t·k + j] over the slots with a valid expert id (+ add[t] when add is given).
-void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
-                 int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s);
+// out[t] = Σ_j weights[t,j]·ybuf[row_of[t·k + j]] (row_of null: row t·k + j) over the slots with a valid expert
+// id (+ add[t] when add is given).
+void moe_combine(const float * ybuf, const int32_t * row_of, const int32_t * experts, const float * weights, int64_t n,
+                 int64_t k, int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s);
+// The routed pairs' activations for dense products: for the j < n_rows sorted pairs p = pairs[j], row r = j +
+// row_base[experts[p]] of dst is f16(x[p / src_div]) (width values, x_stride floats between x's rows), and
+// row_of[p] = r.
+void moe_gather_f16(const float * x, int64_t x_stride, int64_t width, const int32_t * pairs, int src_div,
+                    const int32_t * experts, const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of,
+                    cudaStream_t s);
 // One token's FFN sublayer parts for moe_ffn (ds4's q2 mix: IQ2_XXS gate/up, Q2_K down, Q8_0 shared expert; the
 // widths' activation rows must fit a block's shared memory). moe_shared: the routed gate/up products (`routed`: one
 // glu target over `pairs` pairs, pair_experts and n_expert set, its input quantized in xq) and the shared expert's

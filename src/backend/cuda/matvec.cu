@@ -1070,8 +1070,9 @@ __global__ void moe_plan_kernel(const int32_t * experts, int n_pairs, int n_expe
         }
 }
 
-__global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int k,
-                                   int n_expert, int64_t width, const float * add, float * out) {
+__global__ void moe_combine_kernel(const float * ybuf, const int32_t * row_of, const int32_t * experts,
+                                   const float * weights, int64_t n, int k, int n_expert, int64_t width,
+                                   const float * add, float * out) {
     pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= n * width) return;
@@ -1088,13 +1089,33 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * experts, 
             const int e = j0 + j < k ? experts[t * k + j0 + j] : -1;
             used[j] = e >= 0 && e < n_expert;
             w[j] = used[j] ? weights[t * k + j0 + j] : 0.0f;
-            y[j] = used[j] ? ybuf[(t * k + j0 + j) * width + c] : 0.0f;
+            const int64_t pair = t * k + j0 + j;
+            y[j] = used[j] ? ybuf[(row_of ? row_of[pair] : pair) * width + c] : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)
             if (used[j]) s += w[j] * y[j];
     }
     out[i] = add ? s + add[i] : s;
+}
+
+// A block's threads share a row (one division a row, not a group of 8).
+__global__ void moe_gather_f16_kernel(const float * x, int64_t x_stride, int width, const int32_t * pairs, int src_div,
+                                      const int32_t * experts, const int32_t * row_base, int n_rows, half * dst,
+                                      int32_t * row_of) {
+    pdl_begin();
+    for (int j = blockIdx.x; j < n_rows; j += gridDim.x) {
+        const int32_t pair = pairs[j], row = j + row_base[experts[pair]];
+        if (threadIdx.x == 0) row_of[pair] = row;
+        const float * src = x + int64_t(pair / src_div) * x_stride;
+        for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+            const float4 x0 = *reinterpret_cast<const float4 *>(src + c);
+            const float4 x1 = *reinterpret_cast<const float4 *>(src + c + 4);
+            const half2 h[4] = {__floats2half2_rn(x0.x, x0.y), __floats2half2_rn(x0.z, x0.w),
+                                __floats2half2_rn(x1.x, x1.y), __floats2half2_rn(x1.z, x1.w)};
+            *reinterpret_cast<uint4 *>(dst + int64_t(row) * width + c) = *reinterpret_cast<const uint4 *>(h);
+        }
+    }
 }
 
 }  // namespace
@@ -1186,11 +1207,20 @@ void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int ti
            tiles, n_tiles);
 }
 
-void moe_combine(const float * ybuf, const int32_t * experts, const float * weights, int64_t n, int64_t k,
-                 int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s) {
+void moe_combine(const float * ybuf, const int32_t * row_of, const int32_t * experts, const float * weights, int64_t n,
+                 int64_t k, int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s) {
     const int64_t total = n * width;
-    launch(moe_combine_kernel, dim3(unsigned((total + 255) / 256)), dim3(256), 0, s, ybuf, experts, weights, n, int(k),
-           int(n_expert), width, add, out);
+    launch(moe_combine_kernel, dim3(unsigned((total + 255) / 256)), dim3(256), 0, s, ybuf, row_of, experts, weights, n,
+           int(k), int(n_expert), width, add, out);
+}
+
+void moe_gather_f16(const float * x, int64_t x_stride, int64_t width, const int32_t * pairs, int src_div,
+                    const int32_t * experts, const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of,
+                    cudaStream_t s) {
+    if (n_rows > 0)
+        launch(moe_gather_f16_kernel, dim3(unsigned(std::min<int64_t>(n_rows, 16 * device_sms()))), dim3(128), 0, s, x,
+               x_stride, int(width), pairs, src_div, experts, row_base, int(n_rows), reinterpret_cast<half *>(dst),
+               row_of);
 }
 
 }  // namespace dsv4::cuda
