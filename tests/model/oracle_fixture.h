@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -56,7 +57,10 @@ inline const OracleFixture & oracle_fixture(const std::string & name) {
     if (it != cache.end()) return it->second;
     OracleFixture f;
     f.name = name;
-    f.dir = std::string(DSV4_TEST_DATA) + "/oracle/" + name;
+    // DSV4_TEST_DATA in the environment: the data of a checkout other than the build's (a GPU machine running a
+    // package of test binaries built elsewhere, scripts/gpu-check.sh).
+    const char * data = std::getenv("DSV4_TEST_DATA");
+    f.dir = std::string(data ? data : DSV4_TEST_DATA) + "/oracle/" + name;
     const auto tok = nlohmann::json::parse(read_file(f.dir + "/tokens.json"));
     f.tokens = tok["tokens"].get<std::vector<int32_t>>();
     f.prefill = tok.value("prefill", int64_t(1));

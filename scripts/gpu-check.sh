@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU half of the checks, on a machine with an NVIDIA GPU: every `gpu` test variant of tests/CMakeLists.txt and
+# the benchmark lines of docs/performance.md. It runs from a build tree, or from a package of one made on another
+# machine (the GPU machine then needs the driver and the toolkit's libraries the build linked, no compiler):
+#
+#   scripts/gpu-check.sh pack OUT.tar.xz           # on the build machine, from the build tree: the GPU test binaries,
+#                                                  # dsv4-cuda-bench, dsv4-synth, libdsv4_ktrace.so, the ctest files
+#   scripts/gpu-check.sh tests [PKG.tar.xz]        # ctest -L gpu, every variant (skipped where no GPU is found)
+#   scripts/gpu-check.sh bench [PKG.tar.xz]        # prefill of an 8K and a 64K prompt in chunks of 16384 and decode at
+#                                                  # 2K and 32K on 4- and 8-layer q2 files of V4 Flash's shapes, then
+#                                                  # the 43-layer extrapolation (scripts/extrapolate.py)
+#
+# Environment: DSV4_BUILD_DIR (the build tree, default build), DSV4_MODELS (where bench makes its synthetic files
+# once, default /tmp/dsv4-models), DSV4_BENCH_ARGS (more dsv4-cuda-bench arguments, e.g. --gpu 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+build_dir=$(realpath -m "${DSV4_BUILD_DIR:-build}")
+mode=${1:-}
+shift || true
+
+# The package's tree (or the build tree itself): bin/, tests/, lib/ and the ctest files, whose absolute paths name
+# the build machine's tree until unpack rewrites them.
+tree=$build_dir
+unpack() {
+    local pkg=$1
+    tree=$(mktemp -d /tmp/dsv4-gpu.XXXXXX)
+    tar xJf "$pkg" -C "$tree"
+    local from_build from_root
+    from_build=$(sed -n 1p "$tree/pack-root")
+    from_root=$(sed -n 2p "$tree/pack-root")
+    find "$tree" -name CTestTestfile.cmake -exec sed -i "s|$from_build|$tree|g; s|$from_root|$root|g" {} +
+    # The tests read the oracle fixtures of this checkout.
+    export DSV4_TEST_DATA=$root/tests/data
+}
+
+case "$mode" in
+pack)
+    out=$(realpath -m "${1:?gpu-check.sh pack OUT.tar.xz}")
+    [[ -f "$build_dir/tests/backend_ops_test" ]] || { echo "gpu-check: no CUDA test binaries in $build_dir" >&2; exit 2; }
+    staging=$(mktemp -d)
+    trap 'rm -rf "$staging"' EXIT
+    (cd "$build_dir" && find . -name CTestTestfile.cmake -print0 | xargs -0 cp --parents -t "$staging")
+    mkdir -p "$staging/bin" "$staging/tests" "$staging/lib"
+    cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-synth" "$staging/bin/"
+    cp "$build_dir/tests/backend_ops_test" "$build_dir/tests/cuda_model_test" "$staging/tests/"
+    cp "$build_dir/lib/libdsv4_ktrace.so" "$staging/lib/"
+    strip "$staging"/bin/* "$staging"/tests/backend_ops_test "$staging"/tests/cuda_model_test
+    printf '%s\n%s\n' "$build_dir" "$root" > "$staging/pack-root"
+    tar cf - -C "$staging" . | xz -T0 > "$out"
+    echo "gpu-check: $out ($(du -h "$out" | cut -f1))"
+    ;;
+tests)
+    [[ $# -gt 0 ]] && unpack "$1"
+    ctest --test-dir "$tree" -L gpu --output-on-failure
+    ;;
+bench)
+    [[ $# -gt 0 ]] && unpack "$1"
+    models=${DSV4_MODELS:-/tmp/dsv4-models}
+    mkdir -p "$models"
+    read -r -a extra <<< "${DSV4_BENCH_ARGS:-}"
+    for layers in 4 8; do
+        file=$models/flash$layers-q2.gguf
+        [[ -f "$file" ]] || "$tree/bin/dsv4-synth" "$file" --shape flash --layers "$layers" --mix q2 > /dev/null
+        {
+            "$tree/bin/dsv4-cuda-bench" "$file" --depth 8192,65536 --decode 2 --ubatch 16384 --warmup 8192 "${extra[@]}"
+            "$tree/bin/dsv4-cuda-bench" "$file" --depth 2048,32768 --decode 64 "${extra[@]}"
+        } | grep -E "depth" | tee "$models/bench$layers.txt"
+    done
+    python3 scripts/extrapolate.py "$models/bench4.txt" "$models/bench8.txt"
+    ;;
+*)
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac
