@@ -1176,9 +1176,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 64},
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},
                                            MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64},
-                                           // unused experts: on cuBLAS (DSV4_CUDA_MOE_CUBLAS=1, from 128 pairs an
-                                           // expert on average, as the 400-token case above) one is padded with the
-                                           // others, and three of eight leave the chunk on the tiles
+                                           // unused experts: with the experts on cuBLAS in batches of 16
+                                           // (backend_ops_test_moe_cublas; from 128 pairs an expert on average, as
+                                           // the 400-token case above) one is padded with the others, and three of
+                                           // eight leave the chunk on the tiles
                                            MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 400, 15},
                                            MoeCase{GgmlType::Q4_K, GgmlType::Q2_K, 1024, 512, 8, 4, 300, 5}));
 
