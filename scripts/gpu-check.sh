@@ -13,6 +13,7 @@
 # Environment: DSV4_BUILD_DIR (the build tree, default build), DSV4_MODELS (where bench makes its synthetic files
 # once, default /tmp/dsv4-models), DSV4_BENCH_ARGS (more dsv4-cuda-bench arguments, e.g. --gpu 1).
 set -euo pipefail
+caller=$PWD  # package paths are relative to where the script was called from
 cd "$(dirname "$0")/.."
 root=$PWD
 build_dir=$(realpath -m "${DSV4_BUILD_DIR:-build}")
@@ -23,7 +24,8 @@ shift || true
 # the build machine's tree until unpack rewrites them.
 tree=$build_dir
 unpack() {
-    local pkg=$1
+    local pkg
+    pkg=$(cd "$caller" && realpath -m "$1")
     tree=$(mktemp -d /tmp/dsv4-gpu.XXXXXX)
     tar xJf "$pkg" -C "$tree"
     local from_build from_root
@@ -36,7 +38,7 @@ unpack() {
 
 case "$mode" in
 pack)
-    out=$(realpath -m "${1:?gpu-check.sh pack OUT.tar.xz}")
+    out=$(cd "$caller" && realpath -m "${1:?gpu-check.sh pack OUT.tar.xz}")
     [[ -f "$build_dir/tests/backend_ops_test" ]] || { echo "gpu-check: no CUDA test binaries in $build_dir" >&2; exit 2; }
     staging=$(mktemp -d)
     trap 'rm -rf "$staging"' EXIT
