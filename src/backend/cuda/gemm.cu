@@ -622,7 +622,8 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
     pdl_begin();
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
     if (i >= n) return;
-    const int64_t at = i / width * x_stride + i % width;
+    // Dense rows (every product's input but the routed experts' strided gate | up) skip the 64-bit division.
+    const int64_t at = x_stride == width ? i : i / width * x_stride + i % width;
     const float4 x0 = *reinterpret_cast<const float4 *>(x + at), x1 = *reinterpret_cast<const float4 *>(x + at + 4);
     float v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
     if (x_up) {
