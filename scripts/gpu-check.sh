@@ -5,7 +5,8 @@
 #
 #   scripts/gpu-check.sh pack OUT.tar.xz           # on the build machine, from the build tree: the GPU test binaries,
 #                                                  # dsv4-cuda-bench, dsv4-synth, libdsv4_ktrace.so, the ctest files
-#   scripts/gpu-check.sh tests [PKG.tar.xz]        # ctest -L gpu, every variant (skipped where no GPU is found)
+#   scripts/gpu-check.sh tests [PKG.tar.xz [ARGS]] # ctest -L gpu, every variant (skipped where no GPU is found);
+#                                                  # ARGS go to ctest (e.g. -R memcheck)
 #   scripts/gpu-check.sh bench [PKG.tar.xz]        # prefill of an 8K and a 64K prompt in chunks of 16384 and decode at
 #                                                  # 2K and 32K on 4- and 8-layer q2 files of V4 Flash's shapes, then
 #                                                  # the 43-layer extrapolation (scripts/extrapolate.py)
@@ -53,8 +54,8 @@ pack)
     echo "gpu-check: $out ($(du -h "$out" | cut -f1))"
     ;;
 tests)
-    [[ $# -gt 0 ]] && unpack "$1"
-    ctest --test-dir "$tree" -L gpu --output-on-failure
+    [[ $# -gt 0 ]] && { unpack "$1"; shift; }
+    ctest --test-dir "$tree" -L gpu --output-on-failure "$@"
     ;;
 bench)
     [[ $# -gt 0 ]] && unpack "$1"

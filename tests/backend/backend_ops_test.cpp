@@ -1103,6 +1103,7 @@ struct MoeCase {
     GgmlType gate, down;
     int64_t dim, inner, n_expert, k, n;
     int64_t routed_to = 0;  // tokens choose among the first routed_to experts (0: all), leaving the others unused
+    bool hot = false;       // every token picks expert 0 besides k - 1 others: a hot expert with n of the n·k pairs
 };
 
 class Moe : public ::testing::TestWithParam<MoeCase> {};
@@ -1119,6 +1120,7 @@ TEST_P(Moe, MatchesCpu) {
         std::vector<int32_t> all(static_cast<size_t>(m.routed_to ? m.routed_to : m.n_expert));
         std::iota(all.begin(), all.end(), 0);
         std::shuffle(all.begin(), all.end(), rng());
+        if (m.hot) std::swap(all[0], *std::find(all.begin(), all.end(), 0));
         for (int64_t j = 0; j < m.k; ++j) {
             ids[size_t(t * m.k + j)] = all[size_t(j)];
             w[size_t(t * m.k + j)] = 0.1f + float(rng()() % 100) / 100.0f;
@@ -1176,12 +1178,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Moe,
                                            MoeCase{GgmlType::Q8_0, GgmlType::Q8_0, 256, 256, 8, 2, 64},
                                            MoeCase{GgmlType::MXFP4, GgmlType::MXFP4, 256, 128, 8, 2, 70},
                                            MoeCase{GgmlType::F16, GgmlType::F16, 256, 128, 8, 2, 64},
-                                           // unused experts: with the experts on cuBLAS in batches of 16
-                                           // (backend_ops_test_moe_cublas; from 128 pairs an expert on average, as
-                                           // the 400-token case above) one is padded with the others, and three of
-                                           // eight leave the chunk on the tiles
-                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 400, 15},
-                                           MoeCase{GgmlType::Q4_K, GgmlType::Q2_K, 1024, 512, 8, 4, 300, 5}));
+                                           // with the experts on cuBLAS (backend_ops_test_moe_cublas: from 256
+                                           // pairs an expert on average, in slots of 1.25 times the mean count):
+                                           // all experts, unused experts (no slot), and a hot expert (700 of 4200
+                                           // pairs: two slots of 352 rows, the others one)
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 700},
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 700, 15},
+                                           MoeCase{GgmlType::Q4_K, GgmlType::Q2_K, 1024, 512, 8, 4, 520, 5},
+                                           MoeCase{GgmlType::IQ2_XXS, GgmlType::Q2_K, 4096, 2048, 16, 6, 700, 0,
+                                                   true}));
 
 // The FFN sublayer (moe_ffn) at V4 Flash's widths with 16 experts. The CUDA backend's one-token path for the q2 mix
 // (x quantized once for both kinds, the shared expert's down projection inside the routed gate/up launch, the

@@ -65,9 +65,10 @@ static_assert(cuda::kCandidateBins == kCandidateBins && cuda::kCandidateBinsPerN
 constexpr int64_t kCublasMinTokens = 1024;
 constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
 // A prefill chunk's routed experts on cuBLAS (CudaBackend::moe_cublas): from this many pairs an expert on average
-// (a chunk of 5462 tokens of V4 Flash), their f16 weights decoded into two buffers of this many bytes (16 experts'
-// gate and up of V4 Flash each).
-constexpr int64_t kMoeCublasMinPairs = 128;
+// (a chunk of 10923 tokens of V4 Flash: at 192, a chunk of 8192, the synthetic files' top-k layers measured 5 %
+// slower than on the tiles; docs/cuda.md, "Session 31"), their f16 weights decoded into two buffers of this many bytes
+// (16 experts' gate and up of V4 Flash each).
+constexpr int64_t kMoeCublasMinPairs = 256;
 constexpr int64_t kMoeCublasWeightBytes = int64_t(512) << 20;
 // A switch of the environment: "0" is off, anything else on, unset the default.
 bool env_switch(const char * name, bool default_on) {
@@ -78,9 +79,31 @@ bool env_switch(const char * name, bool default_on) {
 bool moe_cublas_requested() {
     return env_switch("DSV4_CUDA_CUBLAS", true) && env_switch("DSV4_CUDA_MOE_CUBLAS", false);
 }
-// Rows moe_cublas lays its pairs out in at most: it pads a batch's experts to one token count only where that adds
-// at most a quarter of the batch's pairs plus 32 rows an expert.
-int64_t moe_cublas_rows(int64_t n_pairs, int64_t n_expert) { return n_pairs + n_pairs / 4 + 32 * n_expert; }
+// Arena offsets stay 256-byte aligned (cuBLAS's and the vector loads' alignment).
+size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+// What moe_cublas takes of the arena for a chunk of n_pairs pairs, in bytes, in the order it lays them out: the
+// products' pointers (A, B, C for every slot of both passes), the sorted pairs, each pair's row, the plan (one
+// tile an expert: {expert, first, count}, then the count of tiles) and each expert's row base; f16 rows
+// [max_rows, max(D, I)] (the gathered inputs, then the hidden rows) and f32 rows [max_rows, max(2I, D)] (gate | up,
+// then the experts' outputs); one of the two buffers of decoded experts. An expert's rows fill slots of 1.25 times
+// the mean pairs an expert (rounded up to 32), the last one partly: at most 2.25 times the pairs plus 32 rows an
+// expert, in at most one slot an expert plus one a 32 pairs.
+struct MoeCublasScratch {
+    int64_t max_rows, max_slots;
+    size_t ptrs, ints, rows16, rows32, weights;
+    size_t total() const { return ptrs + ints + rows16 + rows32 + 2 * weights; }
+};
+MoeCublasScratch moe_cublas_scratch(int64_t n_pairs, int64_t n_expert, int64_t dim, int64_t inner, int64_t batch) {
+    MoeCublasScratch s;
+    s.max_rows = 2 * n_pairs + n_pairs / 4 + 32 * n_expert;
+    s.max_slots = n_expert + n_pairs / 32;
+    s.ptrs = round_up(size_t(6 * s.max_slots) * sizeof(void *));
+    s.ints = round_up(size_t(2 * n_pairs + 4 * n_expert + 1) * sizeof(int32_t));
+    s.rows16 = round_up(size_t(s.max_rows * std::max(dim, inner)) * 2);
+    s.rows32 = round_up(size_t(s.max_rows * std::max(2 * inner, dim)) * sizeof(float));
+    s.weights = size_t(batch * 4 * inner * dim);
+    return s;
+}
 
 // Pinned host staging for uploads: two slots, so the copy of one chunk into a slot overlaps the transfer of the
 // other. Quantized blocks land in a device staging slot and are re-laid from there.
@@ -628,9 +651,8 @@ class CudaBackend final : public Backend {
         const bool tensor_cores = tensor_cores_ &&
                                   cuda_tensor_core_moe(gate.type, down.type, dim, inner, n_pairs, n_expert) &&
                                   cuda::gemm_inputs_aligned(g);
-        if (tensor_cores && moe_on_cublas(gate, down, n_pairs) &&
-            moe_cublas(x, experts, weights, gate, up, down, limit, out))
-            return;
+        if (tensor_cores && moe_on_cublas(gate, down, n_pairs))
+            return moe_cublas(x, experts, weights, gate, up, down, limit, out);
         const int nt = tensor_cores ? std::min(cuda::gemm_tile_tokens(n_pairs / n_expert, gate.type),
                                                cuda::gemm_tile_tokens(n_pairs / n_expert, down.type))
                                     : std::min(cuda::matvec_tile_tokens(gate.type, dim, n),
@@ -711,9 +733,9 @@ class CudaBackend final : public Backend {
     // to one f16 [2I][D] matrix and its down to [D][I], the values the tiles decode, a batch of experts at a time
     // on side_ into two buffers in turn while stream_ multiplies the batch before. cuBLAS has no grouped f16 × f16
     // → f32 product, and a product an expert cost 0.1–1 ms of host time at each new token count (docs/cuda.md,
-    // "Session 30"), so a batch's experts are padded to one token count (the largest, rounded up to 32) and run as
-    // one strided batch. Where that would add more than a quarter of a batch's pairs (a hot expert), the chunk's
-    // experts stay on the tiles (moe_cublas returns false before it enqueues anything but the plan). It reads the
+    // "Session 30"), so the pairs are laid out in slots of one token count (a quarter above the mean an expert,
+    // rounded up to 32): an expert's rows fill as many consecutive slots as they need, and a batch's slots run as
+    // one batched product of that one shape (a hot expert is several slots of the same weight). It reads the
     // experts' pair counts on the host (one wait a layer) and writes every used expert's f16 weights once a chunk
     // (12.9 GB a V4 Flash layer): never on an integrated GPU, whose bandwidth makes that write cost more than the
     // tiles' products.
@@ -724,29 +746,23 @@ class CudaBackend final : public Backend {
                4 * inner * dim <= kMoeCublasWeightBytes;
     }
 
-    bool moe_cublas(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate,
+    void moe_cublas(const Tensor & x, const Tensor & experts, const Tensor & weights, const Tensor & gate,
                     const Tensor & up, const Tensor & down, float limit, const Tensor & out) {
         const int64_t n = x.rows(), dim = x.ne[0], inner = gate.ne[1], n_expert = gate.ne[2], k = experts.ne[0];
         const int64_t n_pairs = n * k;
         const int64_t batch = std::min({n_expert, kMoeCublasWeightBytes / (4 * inner * dim), moe_cublas_batch_});
-        const int64_t max_rows = moe_cublas_rows(n_pairs, n_expert);
-        // Scratch: the sorted pairs, each pair's row, the plan (one tile an expert: {expert, first, count}, then the
-        // count of tiles), each expert's row base; f16 rows [max_rows, max(D, I)]: the gathered inputs, then the
-        // hidden rows; f32 rows [max_rows, max(2I, D)]: gate | up, then the experts' outputs; two buffers of decoded
-        // experts.
-        const size_t ints_bytes = round_up(size_t(2 * n_pairs + 4 * n_expert + 1) * sizeof(int32_t));
-        const size_t f16_bytes = round_up(size_t(max_rows * std::max(dim, inner)) * 2);
-        const size_t f32_bytes = round_up(size_t(max_rows * std::max(2 * inner, dim)) * sizeof(float));
-        const size_t w_bytes = size_t(batch * 4 * inner * dim);
-        uint8_t * base = static_cast<uint8_t *>(scratch(ints_bytes + f16_bytes + f32_bytes + 2 * w_bytes));
-        int32_t * pairs = reinterpret_cast<int32_t *>(base);
+        const MoeCublasScratch sizes = moe_cublas_scratch(n_pairs, n_expert, dim, inner, batch);
+        uint8_t * base = static_cast<uint8_t *>(scratch(sizes.total()));
+        void ** ptrs_dev = reinterpret_cast<void **>(base);
+        int32_t * pairs = reinterpret_cast<int32_t *>(base + sizes.ptrs);
         int32_t * row_of = pairs + n_pairs;
         int32_t * tiles = row_of + n_pairs;
         int32_t * row_base_dev = tiles + 3 * n_expert + 1;
-        uint16_t * rows16 = reinterpret_cast<uint16_t *>(base + ints_bytes);
-        float * rows32 = reinterpret_cast<float *>(base + ints_bytes + f16_bytes);
-        uint16_t * w16[2] = {reinterpret_cast<uint16_t *>(base + ints_bytes + f16_bytes + f32_bytes),
-                             reinterpret_cast<uint16_t *>(base + ints_bytes + f16_bytes + f32_bytes + w_bytes)};
+        uint16_t * rows16 = reinterpret_cast<uint16_t *>(base + sizes.ptrs + sizes.ints);
+        float * rows32 = reinterpret_cast<float *>(base + sizes.ptrs + sizes.ints + sizes.rows16);
+        uint8_t * w_base = base + sizes.ptrs + sizes.ints + sizes.rows16 + sizes.rows32;
+        uint16_t * w16[2] = {reinterpret_cast<uint16_t *>(w_base),
+                             reinterpret_cast<uint16_t *>(w_base + sizes.weights)};
         join_side();
         cuda::moe_plan(experts.i32(), n_pairs, n_expert, int(n_pairs), pairs, tiles, tiles + 3 * n_expert, stream_);
         launched("moe_plan");
@@ -756,36 +772,50 @@ class CudaBackend final : public Backend {
         // Also what side_ needs: stream_'s earlier work on the arena is done when it starts decoding.
         check(cudaStreamSynchronize(stream_), "synchronize (moe plan)");
 
-        // The rows' layout, batch by batch: {first expert, end, first tile, end, first row, token count of each
-        // expert}; row_base[e] = expert e's first row - its first sorted pair.
+        // The layout: expert e's rows from row_base[e] + its first sorted pair, in ceil(count / slot) slots. The
+        // batches of experts: {first expert, end, first slot, end}.
+        const int32_t n_used = plan.back();
+        auto tile = [&](int32_t i, int field) { return int64_t(plan[size_t(3 * i + field)]); };
+        const int64_t n_sorted = n_used > 0 ? tile(n_used - 1, 1) + tile(n_used - 1, 2) : 0;
+        const int64_t mean = n_used > 0 ? (n_sorted + n_used - 1) / n_used : 1;
+        const int64_t slot = (mean + mean / 4 + 31) / 32 * 32;
         struct Batch {
-            int64_t e0, e1;
-            int32_t i0, i1;
-            int64_t row0, padded_to;
+            int64_t e0, e1, s0, s1;
         };
         std::vector<Batch> batches;
         std::vector<int32_t> row_base(size_t(n_expert), 0);
-        const int32_t n_used = plan.back();
-        auto tile = [&](int32_t i, int field) { return int64_t(plan[size_t(3 * i + field)]); };
+        std::vector<std::pair<int64_t, int64_t>> slots;  // {expert, first row}
         int64_t rows = 0;
-        for (int32_t i = 0; i < n_used;) {
-            Batch b{tile(i, 0) / batch * batch, 0, i, i, rows, 0};
-            b.e1 = std::min(n_expert, b.e0 + batch);
-            int64_t most = 0, sum = 0;
-            for (; b.i1 < n_used && tile(b.i1, 0) < b.e1; ++b.i1) {
-                most = std::max(most, tile(b.i1, 2));
-                sum += tile(b.i1, 2);
-            }
-            b.padded_to = (most + 31) / 32 * 32;
-            if ((b.e1 - b.e0) * b.padded_to > sum + sum / 4 + 32 * (b.e1 - b.e0)) return false;
-            for (int32_t j = b.i0; j < b.i1; ++j)
-                row_base[size_t(tile(j, 0))] = int32_t(rows + (tile(j, 0) - b.e0) * b.padded_to - tile(j, 1));
-            rows += (b.e1 - b.e0) * b.padded_to;
-            batches.push_back(b);
-            i = b.i1;
+        for (int32_t i = 0; i < n_used; ++i) {
+            const int64_t e = tile(i, 0), e0 = e / batch * batch;
+            if (batches.empty() || batches.back().e0 != e0)
+                batches.push_back({e0, std::min(n_expert, e0 + batch), int64_t(slots.size()), 0});
+            row_base[size_t(e)] = int32_t(rows - tile(i, 1));
+            for (int64_t r = 0; r < tile(i, 2); r += slot) slots.push_back({e, rows + r});
+            rows += (tile(i, 2) + slot - 1) / slot * slot;
+            batches.back().s1 = int64_t(slots.size());
         }
-        DSV4_CHECK(rows <= max_rows, "cuda moe_cublas: {} rows laid out, {} planned", rows, max_rows);
-        const int64_t n_sorted = n_used > 0 ? tile(n_used - 1, 1) + tile(n_used - 1, 2) : 0;
+        DSV4_CHECK(rows <= sizes.max_rows && int64_t(slots.size()) <= sizes.max_slots,
+                   "cuda moe_cublas: {} rows in {} slots laid out, {} and {} planned", rows, slots.size(),
+                   sizes.max_rows, sizes.max_slots);
+        // The products' operands, slot by slot: gate | up = W_e · x, then down = W_e · h (column-major: W_e is
+        // op(A) = Aᵀ of its [rows][K] f16 rows, a slot's rows are B's columns); batch b's weights in buffer b % 2 of
+        // the gate/up pass, (batches + b) % 2 of the down pass.
+        const int64_t n_slots = int64_t(slots.size());
+        std::vector<void *> ptrs(size_t(6 * n_slots));
+        for (int pass = 0; pass < 2; ++pass) {
+            const int64_t m = pass == 0 ? 2 * inner : dim, kk = pass == 0 ? dim : inner;
+            void ** p = ptrs.data() + 3 * pass * n_slots;
+            for (size_t b = 0; b < batches.size(); ++b)
+                for (int64_t s = batches[b].s0; s < batches[b].s1; ++s) {
+                    const auto [e, row] = slots[size_t(s)];
+                    p[s] = w16[(pass * batches.size() + b) % 2] + (e - batches[b].e0) * m * kk;
+                    p[n_slots + s] = rows16 + row * kk;
+                    p[2 * n_slots + s] = rows32 + row * m;
+                }
+        }
+        check(cudaMemcpyAsync(ptrs_dev, ptrs.data(), ptrs.size() * sizeof(void *), cudaMemcpyHostToDevice, stream_),
+              "cudaMemcpyAsync(moe pointers)");
         check(cudaMemcpyAsync(row_base_dev, row_base.data(), row_base.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                               stream_),
               "cudaMemcpyAsync(moe rows)");
@@ -794,39 +824,35 @@ class CudaBackend final : public Backend {
         bind_cublas();
         const cuda::WeightRef up_ref = ref(up);
         int turn = 0;  // batches decoded so far: buffer turn % 2 is next
-        // y = W_e · in over each expert's rows (column-major: W_e is op(A) = Aᵀ of its [rows][K] f16 rows, the
-        // pairs' rows are B's columns).
-        auto products = [&](bool gate_up, const uint16_t * in, float * y) {
-            const int64_t m = gate_up ? 2 * inner : dim, kk = gate_up ? dim : inner;
-            const float one = 1.0f, zero = 0.0f;
+        for (int pass = 0; pass < 2; ++pass) {
+            const int64_t m = pass == 0 ? 2 * inner : dim, kk = pass == 0 ? dim : inner;
+            void ** p = ptrs_dev + 3 * pass * n_slots;
+            if (pass == 1)
+                cuda::gemm_activations(rows32, rows32 + inner, limit, rows, inner, 2 * inner, rows16, stream_);
             for (const Batch & b : batches) {
-                const int slot = turn % 2;
-                if (turn++ >= 2) check(cudaStreamWaitEvent(side_, moe_read_[slot]), "cudaStreamWaitEvent(moe)");
-                if (gate_up)
-                    cuda::weights_f16(ref(gate), &up_ref, b.e0 * inner, inner, b.e1 - b.e0, w16[slot], side_);
+                const int buf = turn % 2;
+                if (turn++ >= 2) check(cudaStreamWaitEvent(side_, moe_read_[buf]), "cudaStreamWaitEvent(moe)");
+                if (pass == 0)
+                    cuda::weights_f16(ref(gate), &up_ref, b.e0 * inner, inner, b.e1 - b.e0, w16[buf], side_);
                 else
-                    cuda::weights_f16(ref(down), nullptr, b.e0 * dim, dim, b.e1 - b.e0, w16[slot], side_);
-                check(cudaEventRecord(moe_decoded_[slot], side_), "cudaEventRecord(moe)");
-                check(cudaStreamWaitEvent(stream_, moe_decoded_[slot]), "cudaStreamWaitEvent(moe)");
-                // Unused experts' rows (and the rows past each expert's pairs) are computed from whatever the
-                // arena holds there and never read.
-                check_cublas(cublasGemmStridedBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(b.padded_to),
-                                                        int(kk), &one, w16[slot], CUDA_R_16F, int(kk), m * kk,
-                                                        in + b.row0 * kk, CUDA_R_16F, int(kk), b.padded_to * kk, &zero,
-                                                        y + b.row0 * m, CUDA_R_32F, int(m), b.padded_to * m,
-                                                        int(b.e1 - b.e0), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                             "cublasGemmStridedBatchedEx (experts)");
-                check(cudaEventRecord(moe_read_[slot], stream_), "cudaEventRecord(moe)");
+                    cuda::weights_f16(ref(down), nullptr, b.e0 * dim, dim, b.e1 - b.e0, w16[buf], side_);
+                check(cudaEventRecord(moe_decoded_[buf], side_), "cudaEventRecord(moe)");
+                check(cudaStreamWaitEvent(stream_, moe_decoded_[buf]), "cudaStreamWaitEvent(moe)");
+                // Rows past an expert's pairs in its last slot are computed from whatever the arena holds there
+                // and never read.
+                const float one = 1.0f, zero = 0.0f;
+                check_cublas(cublasGemmBatchedEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, int(m), int(slot), int(kk), &one,
+                                                 p + b.s0, CUDA_R_16F, int(kk), p + n_slots + b.s0, CUDA_R_16F, int(kk),
+                                                 &zero, p + 2 * n_slots + b.s0, CUDA_R_32F, int(m), int(b.s1 - b.s0),
+                                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                             "cublasGemmBatchedEx (experts)");
+                check(cudaEventRecord(moe_read_[buf], stream_), "cudaEventRecord(moe)");
             }
-        };
-        products(true, rows16, rows32);
-        cuda::gemm_activations(rows32, rows32 + inner, limit, rows, inner, 2 * inner, rows16, stream_);
-        products(false, rows16, rows32);
+        }
         launched("moe (cuBLAS)");
         cuda::moe_combine(rows32, row_of, experts.i32(), weights.f32(), n, k, n_expert, dim, nullptr, out.f32(),
                           stream_);
         launched("moe_combine");
-        return true;
     }
 
     // One token (decode) of a q2-mix file, in six launches instead of the composition's ten: x quantized once
@@ -1062,7 +1088,6 @@ class CudaBackend final : public Backend {
     }
 
     // Buffers carved from one scratch() call start at 256-byte multiples.
-    static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
     // The quantized activation rows a's input needs: a weight type of each kind (Q8A, Q8_K) its targets' weights
     // read, plus `also`'s (F32: none), and their bytes (256-byte multiples, 0 for a kind not needed).
@@ -1416,17 +1441,13 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     // a value; f16 on the tensor cores: 2), ids.
     const uint64_t moe = pairs * uint64_t(s.expert_ff + s.n_embd) * f +
                          (pairs * uint64_t(s.expert_ff) + uint64_t(s.n_ubatch * s.n_embd)) * 2 + pairs * 16 + (1 << 20);
-    // On cuBLAS (when asked for, in chunks of at least kMoeCublasMinPairs pairs an expert on average): sorted pairs and
-    // their rows, the plan, the gathered inputs or hidden rows (f16) and gate | up or the experts' outputs (f32) in the
-    // padded layout, two batches of decoded experts.
-    const uint64_t inner = uint64_t(s.expert_ff), dim = uint64_t(s.n_embd);
-    const uint64_t moe_rows = uint64_t(moe_cublas_rows(int64_t(pairs), s.n_expert));
+    // On cuBLAS (when asked for, in chunks of at least kMoeCublasMinPairs pairs an expert on average).
+    const int64_t inner = s.expert_ff, dim = s.n_embd;
     const uint64_t moe_cublas =
         moe_cublas_requested() && s.n_expert > 0 && int64_t(pairs) >= kMoeCublasMinPairs * s.n_expert
-            ? pairs * 8 + moe_rows * (std::max(dim, inner) * 2 + std::max(2 * inner, dim) * f) +
-                  uint64_t(s.n_expert) * 16 +
-                  uint64_t(std::min(s.n_expert, kMoeCublasWeightBytes / int64_t(4 * inner * dim))) * 8 * inner * dim +
-                  (1 << 20)
+            ? moe_cublas_scratch(int64_t(pairs), s.n_expert, dim, inner,
+                                 std::min(s.n_expert, kMoeCublasWeightBytes / (4 * inner * dim)))
+                  .total()
             : 0;
     // A dense product's f16 activations on the tensor cores (the widest input is the attention output), and on
     // cuBLAS the largest decoded weight beside them.
