@@ -4,7 +4,8 @@
 # machine (the GPU machine then needs the driver and the toolkit's libraries the build linked, no compiler):
 #
 #   scripts/gpu-check.sh pack OUT.tar.xz           # on the build machine, from the build tree: the GPU test binaries,
-#                                                  # dsv4-cuda-bench, dsv4-synth, libdsv4_ktrace.so, the ctest files
+#                                                  # dsv4-cuda-bench, dsv4-sync-bench, dsv4-synth, libdsv4_ktrace.so, the
+#                                                  # ctest files
 #   scripts/gpu-check.sh tests [PKG.tar.xz [ARGS]] # ctest -L gpu, every variant (skipped where no GPU is found);
 #                                                  # ARGS go to ctest (e.g. -R memcheck)
 #   scripts/gpu-check.sh bench [PKG.tar.xz]        # prefill of an 8K and a 64K prompt in chunks of 16384 and decode at
@@ -45,7 +46,7 @@ pack)
     trap 'rm -rf "$staging"' EXIT
     (cd "$build_dir" && find . -name CTestTestfile.cmake -print0 | xargs -0 cp --parents -t "$staging")
     mkdir -p "$staging/bin" "$staging/tests" "$staging/lib"
-    cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-synth" "$staging/bin/"
+    cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-synth" "$build_dir/bin/dsv4-sync-bench" "$staging/bin/"
     cp "$build_dir/tests/backend_ops_test" "$build_dir/tests/cuda_model_test" "$staging/tests/"
     cp "$build_dir/lib/libdsv4_ktrace.so" "$staging/lib/"
     strip "$staging"/bin/* "$staging"/tests/backend_ops_test "$staging"/tests/cuda_model_test

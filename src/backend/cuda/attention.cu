@@ -1286,10 +1286,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
             for (int b = 0; b < kBatch; ++b) {
                 const int gi = g0 + b * kThreads;
                 if (gi >= kRowGroups) break;
-                const half2 h[4] = {__floats2half2_rn(x[b][0].x, x[b][0].y), __floats2half2_rn(x[b][0].z, x[b][0].w),
-                                    __floats2half2_rn(x[b][1].x, x[b][1].y), __floats2half2_rn(x[b][1].z, x[b][1].w)};
-                *reinterpret_cast<uint4 *>(dst + (gi / (D / 8)) * kLd + (gi % (D / 8)) * 8) =
-                    *reinterpret_cast<const uint4 *>(h);
+                store_f16x8(dst + (gi / (D / 8)) * kLd + (gi % (D / 8)) * 8, x[b][0], x[b][1]);
             }
         }
     };
@@ -1611,8 +1608,8 @@ static bool takes_tiles(const AttentionArgs & a) {
 // split. (At least 32 keys per split, as before session 7, left a sliding-window layer's 64 heads on 32 blocks of 8
 // steps each.) Tiles: none for prefill; at decode one block of up to 64 heads a multiprocessor (one fits), each
 // split whole 64-key tiles.
-int attention_splits(const AttentionArgs & a) {
-    if (takes_tiles(a)) {
+static int splits_of(const AttentionArgs & a, bool tiles) {
+    if (tiles) {
         if (a.n >= kGemmMinTokens) return 1;
         const int64_t want = std::clamp<int64_t>(device_sms() / (a.n * ((a.heads + 63) / 64)), 1, kMaxSplits);
         const int64_t tiles_per_split = (max_keys(a) + 64 * want - 1) / (64 * want);
@@ -1624,6 +1621,8 @@ int attention_splits(const AttentionArgs & a) {
     return int(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, kMaxSplits)));
 }
 
+int attention_splits(const AttentionArgs & a) { return splits_of(a, takes_tiles(a)); }
+
 int64_t attention_partial_floats(const AttentionArgs & a) {
     const int splits = attention_splits(a);
     return splits > 1 ? a.n * a.heads * splits * (a.dim + 2) : 0;
@@ -1631,9 +1630,10 @@ int64_t attention_partial_floats(const AttentionArgs & a) {
 
 void attention(const AttentionArgs & a, cudaStream_t s) {
     if (a.n <= 0) return;
-    const int splits = attention_splits(a);
+    const bool tiles = takes_tiles(a);
+    const int splits = splits_of(a, tiles);
     const int64_t per_split = (max_keys(a) + splits - 1) / splits;
-    if (takes_tiles(a)) {
+    if (tiles) {
         const int64_t tile_split = (per_split + 63) / 64 * 64;  // whole tiles: no split pays for a partial one
         switch (a.dim) {
             case 64:

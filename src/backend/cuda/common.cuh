@@ -216,6 +216,12 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t * p, int64_t bytes) {
 // Scalars
 // ---------------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+// Eight values rounded to f16 (to nearest) in one 16-byte store: the tensor cores' operand rows are written so.
+__device__ __forceinline__ void store_f16x8(void * dst, float4 lo, float4 hi) {
+    const half2 h[4] = {__floats2half2_rn(lo.x, lo.y), __floats2half2_rn(lo.z, lo.w), __floats2half2_rn(hi.x, hi.y),
+                        __floats2half2_rn(hi.z, hi.w)};
+    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
+}
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 // 2^(e-128): the scale of an MXFP4 block whose codes index the doubled E2M1 table.
 __device__ __forceinline__ float e8m0_half(uint8_t e) {

@@ -633,10 +633,7 @@ __global__ void activations_f16_kernel(const float * x, const float * x_up, floa
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = swiglu_one(v[e], u[e], limit);
     }
-    half2 h[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-    *reinterpret_cast<uint4 *>(dst + i) = *reinterpret_cast<const uint4 *>(h);
+    store_f16x8(dst + i, make_float4(v[0], v[1], v[2], v[3]), make_float4(v[4], v[5], v[6], v[7]));
 }
 
 // Rows of a weight as f16, row-major, each value the one the tiles multiply (load8 + raw8_to_f16): a dense product

@@ -1111,9 +1111,7 @@ __global__ void moe_gather_f16_kernel(const float * x, int64_t x_stride, int wid
         for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
             const float4 x0 = *reinterpret_cast<const float4 *>(src + c);
             const float4 x1 = *reinterpret_cast<const float4 *>(src + c + 4);
-            const half2 h[4] = {__floats2half2_rn(x0.x, x0.y), __floats2half2_rn(x0.z, x0.w),
-                                __floats2half2_rn(x1.x, x1.y), __floats2half2_rn(x1.z, x1.w)};
-            *reinterpret_cast<uint4 *>(dst + int64_t(row) * width + c) = *reinterpret_cast<const uint4 *>(h);
+            store_f16x8(dst + int64_t(row) * width + c, x0, x1);
         }
     }
 }

@@ -1,0 +1,184 @@
+// dsv4-sync-bench: what one dependent step of a decode chain costs when the steps are kernels (as dsv4 runs them: a
+// captured graph, with or without programmatic dependent launch) and when they are phases of one resident kernel
+// separated by grid barriers (the persistent-kernel plan of docs/cuda.md, "Not done"). Every step of every variant
+// does the same work: each block reads `bytes` of a buffer larger than L2 (cold weights) and one value that another
+// block wrote in the step before (the dependency), and writes one value for the next step. One block a
+// multiprocessor. Usage: dsv4-sync-bench [steps] (default 2000); prints µs a step for 0, 16 KB and 64 KB a block.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kBufferBytes = size_t(1) << 30;  // cycled through so that each step's reads miss L2
+
+void check(cudaError_t e, const char * what) {
+    if (e != cudaSuccess) {
+        std::fprintf(stderr, "dsv4-sync-bench: %s: %s\n", what, cudaGetErrorString(e));
+        std::exit(1);
+    }
+}
+
+struct Step {
+    const int4 * w;    // the cold buffer
+    size_t w16;        // its 16-byte units
+    int bytes;         // read by each block a step
+    float * values;    // [2][blocks]: step s writes values[s % 2][b] from values[(s + 1) % 2][(b + 1) % blocks]
+    unsigned * count;  // the grid barrier's arrivals and generation
+};
+
+// One step of block b: its share of the cold reads, then the previous step's value of its neighbour.
+__device__ __forceinline__ void step_body(const Step & a, int s) {
+    const int b = int(blockIdx.x), blocks = int(gridDim.x);
+    __shared__ int acc_shared[kThreads / 32];
+    int acc = 0;
+    const size_t per = size_t(a.bytes) / 16, base = (size_t(s) * blocks + b) * per % (a.w16 - per);
+    for (size_t i = threadIdx.x; i < per; i += kThreads) {
+        int4 v;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(a.w + base + i));
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) acc_shared[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; ++w) acc ^= acc_shared[w];
+        const float prev = __ldcg(a.values + ((s + 1) % 2) * blocks + (b + 1) % blocks);
+        __stcg(a.values + (s % 2) * blocks + b, prev + float(acc & 1));
+    }
+}
+
+// A step as a kernel; with PDL it lets the next step's blocks in at once and waits for this one's predecessor.
+template <bool PDL>
+__global__ void __launch_bounds__(kThreads) step_kernel(Step a, int s) {
+    if constexpr (PDL) {
+        asm volatile("griddepcontrol.launch_dependents;");
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
+    step_body(a, s);
+}
+
+// Every step in one resident kernel (a cooperative launch: all blocks resident). After a step every block's thread 0
+// arrives on the counter (a fence, then the atomic) and spins until the generation moves; the last to arrive resets
+// the counter and moves it.
+__global__ void __launch_bounds__(kThreads) persistent_kernel(Step a, int steps) {
+    volatile unsigned * generation = a.count + 1;
+    for (int s = 0; s < steps; ++s) {
+        step_body(a, s);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned gen = *generation;
+            __threadfence();
+            if (atomicAdd(a.count, 1u) == gridDim.x - 1) {
+                a.count[0] = 0;
+                __threadfence();
+                atomicAdd(a.count + 1, 1u);
+            } else {
+                while (*generation == gen) {
+                }
+            }
+            __threadfence();
+        }
+        __syncthreads();
+    }
+}
+
+template <class Enqueue>
+float time_ms(cudaStream_t stream, Enqueue && enqueue) {
+    cudaEvent_t start, stop;
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    enqueue();  // warm-up
+    check(cudaStreamSynchronize(stream), "warm-up");
+    check(cudaEventRecord(start, stream), "cudaEventRecord");
+    enqueue();
+    check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return ms;
+}
+
+// The chain of kernels captured once as a graph, as a decode step replays it.
+template <bool PDL>
+float chain_ms(cudaStream_t stream, const Step & a, int blocks, int steps) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    for (int s = 0; s < steps; ++s) {
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(unsigned(blocks));
+        config.blockDim = dim3(kThreads);
+        config.stream = stream;
+        cudaLaunchAttribute attribute = {};
+        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attribute.val.programmaticStreamSerializationAllowed = 1;
+        config.attrs = &attribute;
+        config.numAttrs = PDL ? 1 : 0;
+        check(cudaLaunchKernelEx(&config, step_kernel<PDL>, a, s), "cudaLaunchKernelEx");
+    }
+    check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    const float ms = time_ms(stream, [&] { check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch"); });
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    return ms;
+}
+
+float persistent_ms(cudaStream_t stream, Step a, int blocks, int steps) {
+    return time_ms(stream, [&] {
+        void * args[] = {&a, &steps};
+        check(cudaLaunchCooperativeKernel(reinterpret_cast<void *>(persistent_kernel), dim3(unsigned(blocks)),
+                                          dim3(kThreads), args, 0, stream),
+              "cudaLaunchCooperativeKernel");
+    });
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    const int steps = argc > 1 ? std::atoi(argv[1]) : 2000;
+    if (steps <= 0) {
+        std::fprintf(stderr, "usage: dsv4-sync-bench [steps > 0]\n");
+        return 2;
+    }
+    int device_count = 0;
+    if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
+        std::fprintf(stderr, "dsv4-sync-bench: no CUDA device\n");
+        return 77;
+    }
+    cudaDeviceProp prop;
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    const int blocks = prop.multiProcessorCount;
+    cudaStream_t stream;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    Step a = {};
+    void * w = nullptr;
+    check(cudaMalloc(&w, kBufferBytes), "cudaMalloc(buffer)");
+    check(cudaMemset(w, 1, kBufferBytes), "cudaMemset");
+    a.w = static_cast<const int4 *>(w);
+    a.w16 = kBufferBytes / 16;
+    check(cudaMalloc(&a.values, size_t(2 * blocks) * sizeof(float)), "cudaMalloc(values)");
+    check(cudaMemset(a.values, 0, size_t(2 * blocks) * sizeof(float)), "cudaMemset");
+    check(cudaMalloc(&a.count, 2 * sizeof(unsigned)), "cudaMalloc(count)");
+    check(cudaMemset(a.count, 0, 2 * sizeof(unsigned)), "cudaMemset");
+    std::printf("%s, %d multiprocessors, %d blocks of %d threads, %d steps; us a step\n", prop.name, blocks, blocks,
+                kThreads, steps);
+    std::printf("%12s %12s %12s %12s %14s\n", "bytes/block", "MB/step", "graph", "graph+PDL", "grid barriers");
+    for (int bytes : {0, 16 << 10, 64 << 10}) {
+        a.bytes = bytes;
+        const double us = 1e3 / steps;
+        std::printf("%12d %12.2f %12.2f %12.2f %14.2f\n", bytes, double(bytes) * blocks / 1e6,
+                    chain_ms<false>(stream, a, blocks, steps) * us, chain_ms<true>(stream, a, blocks, steps) * us,
+                    persistent_ms(stream, a, blocks, steps) * us);
+    }
+    return 0;
+}
