@@ -1087,8 +1087,6 @@ class CudaBackend final : public Backend {
         return t;
     }
 
-    // Buffers carved from one scratch() call start at 256-byte multiples.
-
     // The quantized activation rows a's input needs: a weight type of each kind (Q8A, Q8_K) its targets' weights
     // read, plus `also`'s (F32: none), and their bytes (256-byte multiples, 0 for a kind not needed).
     struct ActPlan {
@@ -1329,8 +1327,8 @@ class CudaBackend final : public Backend {
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;
-    // Off by default: on the synthetic files it gains on the layers whose routing is even and loses on the others,
-    // which fall back to the tiles (docs/cuda.md, "Session 30").
+    // Off by default: on the synthetic files the experts' f16 copies cost about what cuBLAS's products save over the
+    // tiles, and the 43-layer extrapolation does not gain (docs/cuda.md, "Session 31").
     bool moe_cublas_enabled_ = false;
     int64_t moe_cublas_min_pairs_ = kMoeCublasMinPairs;
     int64_t moe_cublas_batch_ = INT64_MAX;  // experts a batch at most (tests: several batches of small experts)
