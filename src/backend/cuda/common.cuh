@@ -360,6 +360,24 @@ struct Raw8 {
     uint32_t aux;    // Q2_K: the sub-block scale byte; Q4_K: sub-block scale | min << 8
 };
 
+// IQ2_XXS's device sign word (kernels.h). iq2_signs puts the four runs' eighth signs (their parities) where the
+// scale was: the XOR of the word's four bytes holds, on bit 7 - k, the parity of run k's four low signs and on bit
+// 3 - k that of its three high signs and scale bit 3 - k, which the XOR with the scale cancels. iq2_sign_masks:
+// the byte masks (0xff where negative) of the four values whose signs land on bits 7, 15, 23 and 31 when the signs
+// are shifted left by `shift` (k: values 8k .. 8k + 3; 4 + k: values 8k + 4 .. 8k + 7), by prmt's sign-replicating
+// selectors (8 + byte).
+__device__ __forceinline__ uint32_t iq2_scale(uint32_t word) { return (word >> 24) & 15; }
+__device__ __forceinline__ uint32_t iq2_signs(uint32_t word) {
+    uint32_t y = word ^ (word >> 16);
+    y ^= y >> 8;
+    return (word & ~0x0f000000u) | (((y ^ (y >> 4) ^ (word >> 24)) << 24) & 0x0f000000u);
+}
+__device__ __forceinline__ uint32_t iq2_sign_masks(uint32_t signs, int shift) {
+    uint32_t m;
+    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(signs << shift));
+    return m;
+}
+
 template <GgmlType T>
 __device__ __forceinline__ Raw8 load8(const WeightRef & w, int64_t row, int64_t col) {
     Raw8 r{};
@@ -439,15 +457,15 @@ __device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint6
             v[e] = mul * float(high ? byte >> 4 : byte & 15) - sub;
         }
     } else if constexpr (T == GgmlType::IQ2_XXS) {
-        // The eight signs: the seven stored bits and their parity (an even count of negatives).
+        // Values 8k .. 8k + 7 of the group: the sign of value 8k + e at bit 8 (e % 4) + 7 - k (e < 4) or + 3 - k.
         const int k = int(col % 32 / 8);
-        const float db = f16_bits_to_f32(uint16_t(r.scale)) * (0.5f + float(q[1] >> 28)) * 0.25f;
+        const float db = f16_bits_to_f32(uint16_t(r.scale)) * (0.5f + float(iq2_scale(q[1]))) * 0.25f;
         const uint64_t grid = iq2_grid[(q[0] >> (8 * k)) & 255];
-        const uint32_t s7 = (q[1] >> (7 * k)) & 127, signs = s7 | ((__popc(s7) & 1) << 7);
+        const uint32_t signs = iq2_signs(q[1]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float m = db * float((grid >> (8 * e)) & 255);
-            v[e] = (signs >> e) & 1 ? -m : m;
+            v[e] = (signs >> (8 * (e % 4) + (e < 4 ? 7 : 3) - k)) & 1 ? -m : m;
         }
     }
 }

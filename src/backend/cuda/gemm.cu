@@ -144,22 +144,14 @@ __device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, int k0, int c
     return r;
 }
 
-// IQ2_XXS tables in shared memory: the grid (magnitudes as bytes, 2 KB) and, for each 4-bit run of signs, the masks
-// that flip two pairs of halves' sign bits (128 bytes, one bank an entry: a warp's lookups never conflict). The
-// grid's random 8-byte lookups conflict anyway. A grid of f16 halves (4 KB) and a 16-byte mask for each of the 128
-// sign patterns (2 KB) took fewer instructions but 2.7 times the bank conflicts, and the tiles waited on them
-// (Nsight Compute, one 8192-token gate/up: 446 M against 167 M, 10.9 ms against 9.3).
+// IQ2_XXS's grid in shared memory (magnitudes as bytes, 2 KB); its random 8-byte lookups conflict. A grid of f16
+// halves (4 KB) took fewer instructions but 2.7 times the bank conflicts, and the tiles waited on them (Nsight
+// Compute, one 8192-token gate/up: 446 M against 167 M, 10.9 ms against 9.3).
 struct Iq2TileTables {
     uint64_t grid[256];
-    uint2 sign_masks[16];
 };
 __device__ __forceinline__ void fill_iq2_tile_tables(Iq2TileTables & tab, const Iq2Tables & src, int threads) {
-    for (int i = threadIdx.x; i < 256; i += threads) {
-        tab.grid[i] = src.grid[i];
-        if (i < 16)
-            tab.sign_masks[i] =
-                make_uint2((i & 1u) << 15 | (i >> 1 & 1u) << 31, (i >> 2 & 1u) << 15 | (i >> 3 & 1u) << 31);
-    }
+    for (int i = threadIdx.x; i < 256; i += threads) tab.grid[i] = src.grid[i];
 }
 
 // Eight weights as eight f16 values (col: their column in the matrix), each the f16 nearest its exact value. The
@@ -187,14 +179,14 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int col, const Iq2T
     } else if constexpr (T == GgmlType::IQ2_XXS) {
         // A magnitude m times c = (2s + 1) / 8 (the sub-block scale 0.25 (0.5 + s)) is at most 1333 / 8, exact in
         // f16's 11 bits; the fused (1024 + m) · c - 1024 · c gives it from the byte as the low half of 0x6400. The
-        // product with the f16 d then rounds once: the f16 nearest d · m · (0.5 + s) / 4. Signs: the seven stored
-        // bits and their parity (an even count of negatives), applied to the halves' sign bits.
+        // product with the f16 d then rounds once: the f16 nearest d · m · (0.5 + s) / 4. Signs: the values' sign
+        // bits on bits 7, 15, 23, 31 of the shifted sign word (kernels.h), moved to the halves' sign bits 15 and 31.
         const int k = int(col % 32 / 8);
         const uint64_t grid = iq2->grid[(r.q.x >> (8 * k)) & 255];
-        const uint32_t s7 = (r.q.y >> (7 * k)) & 127, signs = s7 | (__popc(s7) & 1) << 7;
-        const uint2 sign_lo = iq2->sign_masks[signs & 15], sign_hi = iq2->sign_masks[signs >> 4];
-        const uint32_t sign[4] = {sign_lo.x, sign_lo.y, sign_hi.x, sign_hi.y};
-        const float c = float(2 * (r.q.y >> 28) + 1) * 0.125f;
+        const uint32_t signs = iq2_signs(r.q.y), lo = signs << k, hi = signs << (4 + k);
+        const uint32_t sign[4] = {__byte_perm(lo, 0, 0x1404) & 0x80008000u, __byte_perm(lo, 0, 0x3424) & 0x80008000u,
+                                  __byte_perm(hi, 0, 0x1404) & 0x80008000u, __byte_perm(hi, 0, 0x3424) & 0x80008000u};
+        const float c = float(2 * iq2_scale(r.q.y) + 1) * 0.125f;
         const half2 c2 = __float2half2_rn(c), bias2 = __float2half2_rn(-1024.0f * c);
         const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));
 #pragma unroll

@@ -19,6 +19,14 @@ namespace dsv4::cuda {
 // upload_weight re-lays Q8_0, IQ2_XXS, MXFP4 and Q2_K tensors as two arrays: every block's payload (the codes,
 // 16-byte aligned, so a lane loads 16 bytes at once) and after them every block's scale bytes, in block order.
 // The size is unchanged. Q4_K blocks (144 bytes, payload already aligned) and float types keep the file layout.
+//
+// IQ2_XXS also reorders the bits of each 32-value group's second word. The file's word holds four runs of seven
+// signs (the eighth sign of each run of eight values is their parity) and the group's 4-bit scale in bits 28-31;
+// turning a run into byte masks (extract, spread by a multiply, parity) took about half of a one-token product's
+// instructions. On the device, the sign of value 8k + j (j < 4) sits at bit 8j + 7 - k and that of value 8k + 4 + j
+// (j < 3) at bit 8j + 3 - k, and the scale in bits 24-27: shifted left by k (or 4 + k), the word has the signs of
+// values 8k .. 8k + 3 (or 8k + 4 .. 8k + 7) on bits 7, 15, 23, 31, which one byte permute spreads into byte masks,
+// once bits 24-27 have been replaced by the four parities (iq2_signs, common.cuh: a few instructions a group).
 struct BlockSplit {
     int block_bytes;     // bytes of one block in the file
     int payload_offset;  // first payload byte inside the file block

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 namespace dsv4::cuda {
 
@@ -254,7 +255,7 @@ struct Iq2XxsUnit {
     static constexpr GgmlType kType = GgmlType::IQ2_XXS;
     static constexpr bool kFloat = false;
     static constexpr Act kAct = Act::q8k;
-    static constexpr int kUnitElems = 64;  // two 32-value sub-blocks: (grid indices, signs + scale) twice
+    static constexpr int kUnitElems = 64;  // two 32-value groups: (grid indices, sign word) twice
     int4 q;
     uint16_t d;
     __device__ void load(const WeightRef & w, int64_t row, int u, int k) {
@@ -262,43 +263,47 @@ struct Iq2XxsUnit {
         q = ldg16(w.data + gb * 64 + (u & 3) * 16);
         d = __ldg(reinterpret_cast<const unsigned short *>(w.data + w.n_blocks * 64) + gb);
     }
-    // Byte masks (0xff where the sign is negative) from four sign bits on bits 7, 15, 23 and 31: prmt's
-    // sign-replicating selectors (8 + byte) spread each byte's top bit over the byte.
-    static __device__ __forceinline__ uint32_t sign_masks(uint32_t top_bits) {
-        uint32_t m;
-        asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(top_bits));
-        return m;
-    }
-    static __device__ __forceinline__ int sub_block(uint32_t idx, uint32_t sgn, int4 a0, int4 a1, const Tables & t) {
+    static __device__ __forceinline__ int group(uint32_t idx, uint32_t word, int4 a0, int4 a1, const Tables & t) {
         // sum over the 32 values of grid * sign * a = (all grid * a) - 2 (grid * a where the sign is negative):
         // an AND per word instead of a negation (XOR, AND, ADD).
+        const uint32_t signs = iq2_signs(word);
         int all = 0, neg = 0;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             const uint64_t g = t.grid[(idx >> (8 * kk)) & 255];
-            // Seven stored sign bits and their parity (an even count of negatives) as the eighth: a multiply by
-            // 0x10204080 moves bit j of four bits to bit 8j + 7 (its terms do not overlap, so nothing carries), and
-            // the parity goes straight to bit 31.
-            const uint32_t s7 = (sgn >> (7 * kk)) & 127;
-            const uint32_t mlo = sign_masks((s7 & 15) * 0x10204080u);
-            const uint32_t mhi = sign_masks((s7 >> 4) * 0x10204080u | (uint32_t(__popc(s7)) << 31));
             const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32);
             const int4 & a = kk < 2 ? a0 : a1;
             const int alo = (kk & 1) ? a.z : a.x, ahi = (kk & 1) ? a.w : a.y;
             all = __dp4a(int(glo), alo, all);
             all = __dp4a(int(ghi), ahi, all);
-            neg = __dp4a(int(glo & mlo), alo, neg);
-            neg = __dp4a(int(ghi & mhi), ahi, neg);
+            neg = __dp4a(int(glo & iq2_sign_masks(signs, kk)), alo, neg);
+            neg = __dp4a(int(ghi & iq2_sign_masks(signs, 4 + kk)), ahi, neg);
         }
-        return (all - 2 * neg) * int(2 * (sgn >> 28) + 1);
+        return (all - 2 * neg) * int(2 * iq2_scale(word) + 1);
     }
-    __device__ float dot(int u, const ActTile & a, int ti, int k, const Tables & t) const {
+    // A token's codes and scale for unit u, loaded once for all the rows a warp multiplies by them (the compiler
+    // did not merge the rows' identical loads: 16 loads and their swizzled addresses a unit instead of 4).
+    struct Acts {
+        int4 c[4];
+        float d;
+    };
+    static __device__ __forceinline__ Acts acts(int u, const ActTile & a, int ti, int k) {
         const int8_t * aq = a.q + size_t(ti) * k;
-        const int s = sub_block(uint32_t(q.x), uint32_t(q.y), act_chunk(aq, 4 * u), act_chunk(aq, 4 * u + 1), t) +
-                      sub_block(uint32_t(q.z), uint32_t(q.w), act_chunk(aq, 4 * u + 2), act_chunk(aq, 4 * u + 3), t);
-        return f16_bits_to_f32(d) * a.d[ti * (k / 32) + 2 * u] * 0.125f * float(s);
+        return {{act_chunk(aq, 4 * u), act_chunk(aq, 4 * u + 1), act_chunk(aq, 4 * u + 2), act_chunk(aq, 4 * u + 3)},
+                a.d[ti * (k / 32) + 2 * u]};
+    }
+    __device__ float dot(const Acts & x, const Tables & t) const {
+        const int s = group(uint32_t(q.x), uint32_t(q.y), x.c[0], x.c[1], t) +
+                      group(uint32_t(q.z), uint32_t(q.w), x.c[2], x.c[3], t);
+        return f16_bits_to_f32(d) * x.d * 0.125f * float(s);
     }
 };
+
+// Units whose activations a warp loads once a unit for all its rows (U::Acts, U::acts, dot(Acts, Tables)).
+template <class U, class = void>
+struct HasActs : std::false_type {};
+template <class U>
+struct HasActs<U, std::void_t<typename U::Acts>> : std::true_type {};
 
 struct Q2_KUnit {
     static constexpr GgmlType kType = GgmlType::Q2_K;
@@ -598,10 +603,18 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
 #pragma unroll
             for (int i = 0; i < NT; ++i) {
                 if (i >= tile.n_tok) break;
+                if constexpr (HasActs<U>::value) {
+                    const typename U::Acts x = U::acts(u, act, i, k);
 #pragma unroll
-                for (int m = 0; m < (GLU ? 2 : 1); ++m)
+                    for (int m = 0; m < (GLU ? 2 : 1); ++m)
 #pragma unroll
-                    for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(u, act, i, k, tab);
+                        for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(x, tab);
+                } else {
+#pragma unroll
+                    for (int m = 0; m < (GLU ? 2 : 1); ++m)
+#pragma unroll
+                        for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(u, act, i, k, tab);
+                }
             }
         }
         store_rows<NT, GLU>(a, t, tile, row0, acc);

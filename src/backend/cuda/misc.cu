@@ -97,6 +97,34 @@ __global__ void repack_kernel(BlockSplit sp, const uint8_t * src, uint8_t * dst,
         if (j < sp.payload_offset || j >= sp.payload_offset + sp.payload_bytes) sc[o++] = b[j];
 }
 
+// IQ2_XXS (kernels.h): the file block is d (2 bytes) and eight groups of (4 grid indices, a word of 28 sign bits and
+// the 4-bit scale); the device's payload keeps the grid indices and reorders the word's bits, its scales are d.
+__global__ void repack_iq2_kernel(const uint8_t * src, uint8_t * dst, int64_t first, int64_t n, int64_t total) {
+    pdl_begin();
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const uint8_t * b = src + i * 66;  // file blocks: 2-byte aligned only
+    const int64_t gb = first + i;
+    uint32_t * pay = reinterpret_cast<uint32_t *>(dst + gb * 64);
+    for (int g = 0; g < 8; ++g) {
+        uint32_t word[2];
+        for (int w = 0; w < 2; ++w) {
+            const uint8_t * p = b + 2 + 8 * g + 4 * w;
+            word[w] = uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
+        }
+        uint32_t signs = (word[1] >> 28) << 24;
+        for (int run = 0; run < 4; ++run)
+            for (int e = 0; e < 7; ++e) {
+                const int j = e % 4, shift = e < 4 ? run : 4 + run;
+                signs |= ((word[1] >> (7 * run + e)) & 1u) << (8 * j + 7 - shift);
+            }
+        pay[2 * g] = word[0];
+        pay[2 * g + 1] = signs;
+    }
+    dst[total * 64 + 2 * gb] = b[0];
+    dst[total * 64 + 2 * gb + 1] = b[1];
+}
+
 __global__ void fill_kernel(float * dst, int64_t n, float v) {
     pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1242,6 +1270,9 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
 void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t first_block, int64_t n_blocks,
                    int64_t total_blocks, cudaStream_t s) {
     if (n_blocks <= 0) return;
+    if (type == GgmlType::IQ2_XXS)
+        return launch(repack_iq2_kernel, dim3(blocks_for(n_blocks, 256)), dim3(256), 0, s, src, dst, first_block,
+                      n_blocks, total_blocks);
     launch(repack_kernel, dim3(blocks_for(n_blocks, 256)), dim3(256), 0, s, block_split(type), src, dst, first_block,
            n_blocks, total_blocks);
 }
