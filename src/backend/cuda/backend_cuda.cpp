@@ -819,7 +819,7 @@ class CudaBackend final : public Backend {
         check(cudaMemcpyAsync(row_base_dev, row_base.data(), row_base.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                               stream_),
               "cudaMemcpyAsync(moe rows)");
-        cuda::moe_gather_f16(x.f32(), dim, dim, pairs, int(k), experts.i32(), row_base_dev, n_sorted, rows16, row_of,
+        cuda::moe_gather_f16(x.f32(), dim, pairs, int(k), experts.i32(), row_base_dev, n_sorted, rows16, row_of,
                              stream_);
         bind_cublas();
         const cuda::WeightRef up_ref = ref(up);

@@ -162,11 +162,9 @@ void moe_plan(const int32_t * experts, int64_t n_pairs, int64_t n_expert, int ti
 void moe_combine(const float * ybuf, const int32_t * row_of, const int32_t * experts, const float * weights, int64_t n,
                  int64_t k, int64_t n_expert, int64_t width, const float * add, float * out, cudaStream_t s);
 // The routed pairs' activations for dense products: for the j < n_rows sorted pairs p = pairs[j], row r = j +
-// row_base[experts[p]] of dst is f16(x[p / src_div]) (width values, x_stride floats between x's rows), and
-// row_of[p] = r.
-void moe_gather_f16(const float * x, int64_t x_stride, int64_t width, const int32_t * pairs, int src_div,
-                    const int32_t * experts, const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of,
-                    cudaStream_t s);
+// row_base[experts[p]] of dst is f16(x[p / src_div]) (x: rows of width values), and row_of[p] = r.
+void moe_gather_f16(const float * x, int64_t width, const int32_t * pairs, int src_div, const int32_t * experts,
+                    const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of, cudaStream_t s);
 // One token's FFN sublayer parts for moe_ffn (ds4's q2 mix: IQ2_XXS gate/up, Q2_K down, Q8_0 shared expert; the
 // widths' activation rows must fit a block's shared memory). moe_shared: the routed gate/up products (`routed`: one
 // glu target over `pairs` pairs, pair_experts and n_expert set, its input quantized in xq) and the shared expert's

@@ -1113,14 +1113,14 @@ __global__ void moe_combine_kernel(const float * ybuf, const int32_t * row_of, c
 }
 
 // A block's threads share a row (one division a row, not a group of 8).
-__global__ void moe_gather_f16_kernel(const float * x, int64_t x_stride, int width, const int32_t * pairs, int src_div,
+__global__ void moe_gather_f16_kernel(const float * x, int width, const int32_t * pairs, int src_div,
                                       const int32_t * experts, const int32_t * row_base, int n_rows, half * dst,
                                       int32_t * row_of) {
     pdl_begin();
     for (int j = blockIdx.x; j < n_rows; j += gridDim.x) {
         const int32_t pair = pairs[j], row = j + row_base[experts[pair]];
         if (threadIdx.x == 0) row_of[pair] = row;
-        const float * src = x + int64_t(pair / src_div) * x_stride;
+        const float * src = x + int64_t(pair / src_div) * width;
         for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
             const float4 x0 = *reinterpret_cast<const float4 *>(src + c);
             const float4 x1 = *reinterpret_cast<const float4 *>(src + c + 4);
@@ -1225,13 +1225,11 @@ void moe_combine(const float * ybuf, const int32_t * row_of, const int32_t * exp
            int(k), int(n_expert), width, add, out);
 }
 
-void moe_gather_f16(const float * x, int64_t x_stride, int64_t width, const int32_t * pairs, int src_div,
-                    const int32_t * experts, const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of,
-                    cudaStream_t s) {
+void moe_gather_f16(const float * x, int64_t width, const int32_t * pairs, int src_div, const int32_t * experts,
+                    const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of, cudaStream_t s) {
     if (n_rows > 0)
         launch(moe_gather_f16_kernel, dim3(unsigned(std::min<int64_t>(n_rows, 16 * device_sms()))), dim3(128), 0, s, x,
-               x_stride, int(width), pairs, src_div, experts, row_base, int(n_rows), reinterpret_cast<half *>(dst),
-               row_of);
+               int(width), pairs, src_div, experts, row_base, int(n_rows), reinterpret_cast<half *>(dst), row_of);
 }
 
 }  // namespace dsv4::cuda
