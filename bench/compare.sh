@@ -7,7 +7,8 @@
 # Measures prefill of a P-token prompt (llama-bench pp<P>, dsv4-bench's first frontier) and decode of G tokens
 # after it (llama-bench tg<G> at depth P, dsv4-bench decode at frontier P). Both prefill in chunks of U tokens
 # (default 2048; llama-bench -b P -ub U). llama-bench runs with flash attention and every layer on the GPU.
-# Nothing of llama.cpp is part of this repository: bring your own build.
+# Nothing of llama.cpp is part of this repository: bring your own build. llama.cpp loads only files with a
+# tokenizer: make synthetic ones with `dsv4-synth --vocab build/share/dsv4/deepseek-v4-vocab.gguf`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
