@@ -22,7 +22,7 @@ namespace dsv4::cuda {
 //
 // IQ2_XXS also reorders the bits of each 32-value group's second word. The file's word holds four runs of seven
 // signs (the eighth sign of each run of eight values is their parity) and the group's 4-bit scale in bits 28-31;
-// turning a run into byte masks (extract, spread by a multiply, parity) took about half of a one-token product's
+// turning a run into byte masks (extract, spread by a multiply, parity) took nearly half of a one-token product's
 // instructions. On the device, the sign of value 8k + j (j < 4) sits at bit 8j + 7 - k and that of value 8k + 4 + j
 // (j < 3) at bit 8j + 3 - k, and the scale in bits 24-27: shifted left by k (or 4 + k), the word has the signs of
 // values 8k .. 8k + 3 (or 8k + 4 .. 8k + 7) on bits 7, 15, 23, 31, which one byte permute spreads into byte masks,
