@@ -4,13 +4,18 @@
 # machine (the GPU machine then needs the driver and the toolkit's libraries the build linked, no compiler):
 #
 #   scripts/gpu-check.sh pack OUT.tar.xz           # on the build machine, from the build tree: the GPU test binaries,
-#                                                  # dsv4-cuda-bench, dsv4-sync-bench, dsv4-synth, libdsv4_ktrace.so, the
-#                                                  # ctest files
+#                                                  # dsv4-cuda-bench, dsv4-bench, dsv4-sync-bench, dsv4-synth,
+#                                                  # libdsv4_ktrace.so, the V4 vocabulary, the ctest files
 #   scripts/gpu-check.sh tests [PKG.tar.xz [ARGS]] # ctest -L gpu, every variant (skipped where no GPU is found);
 #                                                  # ARGS go to ctest (e.g. -R memcheck)
 #   scripts/gpu-check.sh bench [PKG.tar.xz]        # prefill of an 8K and a 64K prompt in chunks of 16384 and decode at
 #                                                  # 2K and 32K on 4- and 8-layer q2 files of V4 Flash's shapes, then
 #                                                  # the 43-layer extrapolation (scripts/extrapolate.py)
+#   scripts/gpu-check.sh compare [PKG.tar.xz] LLAMA_BENCH
+#                                                  # bench/compare.sh (llama.cpp's llama-bench against dsv4-bench, 8K
+#                                                  # prompt and decode after it, chunks of 2048) on the same files
+#
+# The synthetic files carry the V4 vocabulary (llama.cpp loads no file without a tokenizer).
 #
 # Environment: DSV4_BUILD_DIR (the build tree, default build), DSV4_MODELS (where bench makes its synthetic files
 # once, default /tmp/dsv4-models), DSV4_BENCH_ARGS (more dsv4-cuda-bench arguments, e.g. --gpu 1).
@@ -38,6 +43,15 @@ unpack() {
     export DSV4_TEST_DATA=$root/tests/data
 }
 
+# The bench files, made once: q2 files of V4 Flash's shapes with `layers` layers and the V4 vocabulary.
+models=${DSV4_MODELS:-/tmp/dsv4-models}
+synth() {
+    file=$models/flash$1-q2v.gguf
+    mkdir -p "$models"
+    [[ -f "$file" ]] || "$tree/bin/dsv4-synth" "$file" --shape flash --layers "$1" --mix q2 \
+        --vocab "$tree/share/dsv4/deepseek-v4-vocab.gguf" > /dev/null
+}
+
 case "$mode" in
 pack)
     out=$(cd "$caller" && realpath -m "${1:?gpu-check.sh pack OUT.tar.xz}")
@@ -45,10 +59,12 @@ pack)
     staging=$(mktemp -d)
     trap 'rm -rf "$staging"' EXIT
     (cd "$build_dir" && find . -name CTestTestfile.cmake -print0 | xargs -0 cp --parents -t "$staging")
-    mkdir -p "$staging/bin" "$staging/tests" "$staging/lib"
-    cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-synth" "$build_dir/bin/dsv4-sync-bench" "$staging/bin/"
+    mkdir -p "$staging/bin" "$staging/tests" "$staging/lib" "$staging/share/dsv4"
+    cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-bench" "$build_dir/bin/dsv4-synth" \
+        "$build_dir/bin/dsv4-sync-bench" "$staging/bin/"
     cp "$build_dir/tests/backend_ops_test" "$build_dir/tests/cuda_model_test" "$staging/tests/"
     cp "$build_dir/lib/libdsv4_ktrace.so" "$staging/lib/"
+    cp "$build_dir/share/dsv4/deepseek-v4-vocab.gguf" "$staging/share/dsv4/"
     strip "$staging"/bin/* "$staging"/tests/backend_ops_test "$staging"/tests/cuda_model_test
     printf '%s\n%s\n' "$build_dir" "$root" > "$staging/pack-root"
     tar cf - -C "$staging" . | xz -9e -T0 > "$out"  # one 64 MB window: the binaries share the CUDA code (36 MB at -6, 13 at -9e)
@@ -60,12 +76,9 @@ tests)
     ;;
 bench)
     [[ $# -gt 0 ]] && unpack "$1"
-    models=${DSV4_MODELS:-/tmp/dsv4-models}
-    mkdir -p "$models"
     read -r -a extra <<< "${DSV4_BENCH_ARGS:-}"
     for layers in 4 8; do
-        file=$models/flash$layers-q2.gguf
-        [[ -f "$file" ]] || "$tree/bin/dsv4-synth" "$file" --shape flash --layers "$layers" --mix q2 > /dev/null
+        synth "$layers"
         {
             "$tree/bin/dsv4-cuda-bench" "$file" --depth 8192,65536 --decode 2 --ubatch 16384 --warmup 8192 "${extra[@]}"
             "$tree/bin/dsv4-cuda-bench" "$file" --depth 2048,32768 --decode 64 "${extra[@]}"
@@ -73,8 +86,17 @@ bench)
     done
     python3 scripts/extrapolate.py "$models/bench4.txt" "$models/bench8.txt"
     ;;
+compare)
+    [[ $# -gt 1 ]] && { unpack "$1"; shift; }
+    llama_bench=$(cd "$caller" && realpath -m "${1:?gpu-check.sh compare [PKG.tar.xz] LLAMA_BENCH}")
+    for layers in 4 8; do
+        synth "$layers"
+        DSV4_BENCH="$tree/bin/dsv4-bench" bench/compare.sh --llama-bench "$llama_bench" --runs 1 --prompt 8192 \
+            --gen 32 --ubatch 2048 --backend cuda "$file"
+    done
+    ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
