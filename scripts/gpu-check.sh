@@ -43,7 +43,7 @@ unpack() {
     export DSV4_TEST_DATA=$root/tests/data
 }
 
-# The bench files, made once: q2 files of V4 Flash's shapes with `layers` layers and the V4 vocabulary.
+# synth L: the bench file of L layers (q2, V4 Flash's shapes, the V4 vocabulary), made once; its path in $file.
 models=${DSV4_MODELS:-/tmp/dsv4-models}
 synth() {
     file=$models/flash$1-q2v.gguf
@@ -67,7 +67,7 @@ pack)
     cp "$build_dir/share/dsv4/deepseek-v4-vocab.gguf" "$staging/share/dsv4/"
     strip "$staging"/bin/* "$staging"/tests/backend_ops_test "$staging"/tests/cuda_model_test
     printf '%s\n%s\n' "$build_dir" "$root" > "$staging/pack-root"
-    tar cf - -C "$staging" . | xz -9e -T0 > "$out"  # one 64 MB window: the binaries share the CUDA code (36 MB at -6, 13 at -9e)
+    tar cf - -C "$staging" . | xz -9e -T0 > "$out"  # one 64 MB window: the binaries share the CUDA code (36 MB at -6, 14 at -9e)
     echo "gpu-check: $out ($(du -h "$out" | cut -f1))"
     ;;
 tests)
