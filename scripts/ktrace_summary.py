@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-kernel costs of the decode steps in a libdsv4_ktrace.so timeline (docs/cuda.md).
 
-Usage: ktrace_summary.py TIMELINE [--steps N] [--list]
+Usage: ktrace_summary.py TIMELINE [--steps N] [--list] [--pm PMFILE]
        ktrace_summary.py TIMELINE --totals [--top N]
 
 A step is one execution of the decode graph: the kernels of one graph id until a graph node repeats. The steps of
@@ -12,8 +12,14 @@ graph (the sampler's kernels, the token's copies) is listed with its mean time; 
 for the host. --list prints the last step kernel by kernel. --totals sums every kernel and copy of the timeline by
 kind instead, for runs that are not decode steps (a long prefill: its chunks run eagerly, one kernel after another,
 so the durations add up to the GPU's time).
+
+--pm reads the library's PM samples ($DSV4_PMSAMPLE: DRAM bytes read per interval, on the kernels' clock) and adds,
+over the steps inside the sampled window, each kind's DRAM megabytes read during its costs, the step's mean rate and
+how much of the step DRAM ran below a quarter of PEAK (--peak, TB/s, default 4.3: the H200's copy rate); --list then
+shows each kernel's bytes and rate over its cost.
 """
 import argparse
+import bisect
 import collections
 import re
 
@@ -25,6 +31,48 @@ def read(path):
             start, end, graph, gx, gy, node, name = line.rstrip('\n').split(' ', 6)
             kernels.append((int(start), int(end), int(graph), int(gx), int(gy), int(node), name))
     return sorted(kernels)
+
+
+class Dram:
+    """DRAM bytes read between two timestamps, from the PM samples (each interval's bytes spread evenly over it)."""
+
+    def __init__(self, path):
+        self.samples = []
+        with open(path) as f:
+            for line in f:
+                if not line.startswith('#'):
+                    start, end, value = line.split()[:3]
+                    if int(end) > int(start):
+                        self.samples.append((int(start), int(end), float(value)))
+        self.samples.sort()
+        self.starts = [s[0] for s in self.samples]
+        # The first sample runs from the sampler's setup, not from the window's start: it is left out.
+        self.lo = self.samples[1][0] if len(self.samples) > 1 else 0
+        self.hi = self.samples[-1][1] if self.samples else 0
+
+    def covers(self, t0, t1):
+        return self.lo <= t0 and t1 <= self.hi
+
+    def bytes(self, t0, t1):
+        i, total = max(0, bisect.bisect_right(self.starts, t0) - 1), 0.0
+        while i < len(self.samples) and self.samples[i][0] < t1:
+            a, b, v = self.samples[i]
+            overlap = min(b, t1) - max(a, t0)
+            if overlap > 0:
+                total += v * overlap / (b - a)
+            i += 1
+        return total
+
+    def time_below(self, t0, t1, rate):
+        """Nanoseconds of [t0, t1) whose samples read below `rate` bytes per nanosecond."""
+        i, total = max(0, bisect.bisect_right(self.starts, t0) - 1), 0
+        while i < len(self.samples) and self.samples[i][0] < t1:
+            a, b, v = self.samples[i]
+            overlap = min(b, t1) - max(a, t0)
+            if overlap > 0 and v / (b - a) < rate:
+                total += overlap
+            i += 1
+        return total
 
 
 def steps_of(kernels):
@@ -71,7 +119,10 @@ def main():
     ap.add_argument('--list', action='store_true', help='the last step kernel by kernel')
     ap.add_argument('--totals', action='store_true', help='every kernel and copy summed by kind (prefill runs)')
     ap.add_argument('--top', type=int, default=20, help='kinds printed with --totals (default 20)')
+    ap.add_argument('--pm', help="the library's PM samples (DSV4_PMSAMPLE)")
+    ap.add_argument('--peak', type=float, default=4.3, help='DRAM rate taken as the peak, TB/s (default 4.3)')
     args = ap.parse_args()
+    dram = Dram(args.pm) if args.pm else None
     records = read(args.timeline)
     if args.totals:
         totals(records, args.top)
@@ -98,7 +149,18 @@ def main():
         for name, (n, t) in sorted(between.items(), key=lambda kv: -kv[1][1]):
             print(f'  {n / len(gaps):4.1f} x {t / n:6.1f} us  {name[:90]}')
         print(f'  GPU idle between steps: {sum(gaps) / len(gaps) - busy:.1f} us')
-    cost = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    sampled = []
+    if dram:
+        sampled = [s for s in use if dram.covers(s[0][0], max(k[1] for k in s))]
+        if not sampled:
+            raise SystemExit(f'{args.pm}: no step of the timeline lies inside the sampled window')
+        per_step = [dram.bytes(s[0][0], max(k[1] for k in s)) for s in sampled]
+        span = sum(max(k[1] for k in s) - s[0][0] for s in sampled)
+        low = sum(dram.time_below(s[0][0], max(k[1] for k in s), args.peak * 1e3 / 4) for s in sampled)
+        print(f'DRAM over {len(sampled)} sampled steps: {sum(per_step) / len(per_step) / 1e9:.3f} GB read a step, '
+              f'{sum(per_step) / span / 1e3:.2f} TB/s on average, below {args.peak / 4:.2f} TB/s for '
+              f'{100 * low / span:.0f} % of the time')
+    cost = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for s in use:
         prev = s[0][0]
         for k in sorted(s, key=lambda k: k[1]):
@@ -106,16 +168,26 @@ def main():
             c[0] += 1
             c[1] += (k[1] - prev) / 1e3
             c[2] += (k[1] - k[0]) / 1e3
+            if s in sampled:
+                c[3] += dram.bytes(prev, k[1]) / 1e6
             prev = max(prev, k[1])
-    print(f'{"launches":>8} {"cost us":>8} {"busy us":>8}  kernel (per step)')
-    for name, (n, c, busy) in sorted(cost.items(), key=lambda kv: -kv[1][1]):
-        print(f'{n / len(use):8.1f} {c / len(use):8.1f} {busy / len(use):8.1f}  {name[:100]}')
+    dram_head = f' {"DRAM MB":>8}' if dram else ''
+    print(f'{"launches":>8} {"cost us":>8} {"busy us":>8}{dram_head}  kernel (per step)')
+    for name, (n, c, busy, mb) in sorted(cost.items(), key=lambda kv: -kv[1][1]):
+        dram_col = f' {mb / len(sampled):8.1f}' if dram else ''
+        print(f'{n / len(use):8.1f} {c / len(use):8.1f} {busy / len(use):8.1f}{dram_col}  {name[:100]}')
     if args.list:
-        s = sorted(use[-1], key=lambda k: k[1])
+        last = sampled[-1] if dram else use[-1]
+        s = sorted(last, key=lambda k: k[1])
         t0 = prev = s[0][0]
-        print(f'{"start":>8} {"end":>8} {"cost":>6}  grid      kernel (last step, us from its first start)')
+        dram_head = f' {"MB":>6} {"TB/s":>5}' if dram else ''
+        print(f'{"start":>8} {"end":>8} {"cost":>6}{dram_head}  grid      kernel (last step, us from its first start)')
         for k in s:
-            print(f'{(k[0] - t0) / 1e3:8.1f} {(k[1] - t0) / 1e3:8.1f} {(k[1] - prev) / 1e3:6.1f}  '
+            dram_col = ''
+            if dram:
+                b = dram.bytes(prev, k[1])
+                dram_col = f' {b / 1e6:6.1f} {b / max(k[1] - prev, 1) / 1e3:5.2f}'
+            print(f'{(k[0] - t0) / 1e3:8.1f} {(k[1] - t0) / 1e3:8.1f} {(k[1] - prev) / 1e3:6.1f}{dram_col}  '
                   f'{f"{k[3]}x{k[4]}":9} {kind(k[6])[:90]}')
             prev = max(prev, k[1])
 

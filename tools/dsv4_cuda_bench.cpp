@@ -11,6 +11,7 @@
 #include "util/log.h"
 #include "util/timer.h"
 
+#include <dlfcn.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -25,6 +26,16 @@ using namespace dsv4;
 namespace {
 
 constexpr double kRooflineBytesPerSecond = 4.3e12;  // H200, measured device-to-device copy (docs/cuda.md)
+
+// libdsv4_ktrace.so's PM sampler (tools/dsv4_ktrace.cpp), when the library is preloaded with DSV4_PMSAMPLE set:
+// it samples each depth's timed decode steps (the GPU idle at both ends); without the library nothing changes.
+void pm_window(Backend & backend, int device, bool open) {
+    using Hook = int (*)(int, int);
+    static const Hook hook = reinterpret_cast<Hook>(dlsym(RTLD_DEFAULT, "dsv4_ktrace_pm"));
+    if (!hook) return;
+    backend.synchronize();
+    hook(device, open ? 1 : 0);
+}
 
 // Bytes of weights one decoded token reads: every tensor except the routed experts (k of E) and the embedding
 // table (one row).
@@ -84,6 +95,7 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         std::vector<int32_t> cand_ids(size_t(model.n_candidates()));
         std::vector<float> cand_values(cand_ids.size());
         float stats[4];
+        pm_window(*backend, options.device, true);
         Timer dec;
         for (int64_t i = 0; i < n_decode; ++i) {
             model.logit_candidates(*state, cand_ids.data(), cand_values.data(), stats);
@@ -91,6 +103,7 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
             model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, nullptr);
         }
         const double per_token = dec.seconds() / double(n_decode);
+        pm_window(*backend, options.device, false);
         std::printf(
             "depth %6ld: prefill %7.1f tok/s (%.2f s, ubatch %ld; first %.2f s) | decode %.3f ms/token = %.1f "
             "tok/s, %.1f %% of the weight roofline\n",
