@@ -9,14 +9,17 @@
 // later it ends than the kernel before it.
 //
 // With $DSV4_PMSAMPLE set to a path it also samples the GPU's performance monitors (CUPTI PM sampling) every
-// $DSV4_PMSAMPLE_NS nanoseconds (default 1000), over the windows the program opens and closes through
-// dsv4_ktrace_pm() (dsv4-cuda-bench: each depth's timed decode steps), and writes each window's samples:
+// $DSV4_PMSAMPLE_NS nanoseconds (default 1000) over the windows the program opens and closes through
+// dsv4_ktrace_pm() (dsv4-cuda-bench: each depth's timed decode steps), and rewrites the file at each window's end (the
+// last window stays):
 //   # metric names
 //   start_ns end_ns value...
 // The metric is DRAM bytes read per interval (dram__bytes_read.sum), or the comma-separated ones of
-// $DSV4_PMSAMPLE_METRICS. The hardware buffer ($DSV4_PMSAMPLE_MB megabytes, default 64) must hold the window: at 1 µs
-// it held ~27 ms of one metric on an H200 but overflowed with four. Sample and kernel timestamps share the GPU's
-// clock; `ktrace_summary.py --pm FILE` gives each kernel of a step the DRAM bytes read while it was the step's last.
+// $DSV4_PMSAMPLE_METRICS. The hardware buffer ($DSV4_PMSAMPLE_MB megabytes, default 64) must hold a window: on an H200
+// it held a 27 ms window of one metric at 1 µs, and four metrics overflowed it; $DSV4_PMSAMPLE_MAX (default 40000)
+// bounds the samples decoded. Sample and kernel timestamps share the
+// GPU's clock; `ktrace_summary.py --pm FILE` gives each kernel of a step the DRAM bytes read while it was the step's
+// last.
 // DSV4_PMSAMPLE_VERBOSE=1 prints every CUPTI call's result.
 #include <cupti.h>
 #include <cupti_pmsampling.h>
@@ -177,8 +180,8 @@ struct PmSampler {
         sc.hardwareBufferSize = env_size("DSV4_PMSAMPLE_MB", 64) << 20;
         sc.samplingInterval = env_size("DSV4_PMSAMPLE_NS", 1000);
         sc.triggerMode = CUPTI_PM_SAMPLING_TRIGGER_MODE_GPU_TIME_INTERVAL;
-        // Keeping the latest records made the decode fail (CUPTI_ERROR_UNKNOWN, CUDA 13.0); a window that fits needs
-        // neither.
+        // Keeping the latest records instead made the decode fail (CUPTI_ERROR_UNKNOWN, CUDA 13.0); a window that fits
+        // the buffer loses nothing either way.
         sc.hwBufferAppendMode = CUPTI_PM_SAMPLING_HARDWARE_BUFFER_APPEND_MODE_KEEP_OLDEST;
         if (!ok(cuptiPmSamplingSetConfig(&sc), "cuptiPmSamplingSetConfig")) return false;
         sampler = en.pPmSamplingObject;
