@@ -53,26 +53,22 @@ class Dram:
     def covers(self, t0, t1):
         return self.lo <= t0 and t1 <= self.hi
 
-    def bytes(self, t0, t1):
-        i, total = max(0, bisect.bisect_right(self.starts, t0) - 1), 0.0
+    def overlaps(self, t0, t1):
+        """(nanoseconds of [t0, t1) inside the sample, the sample's bytes per nanosecond) for each sample it meets."""
+        i = max(0, bisect.bisect_right(self.starts, t0) - 1)
         while i < len(self.samples) and self.samples[i][0] < t1:
             a, b, v = self.samples[i]
             overlap = min(b, t1) - max(a, t0)
             if overlap > 0:
-                total += v * overlap / (b - a)
+                yield overlap, v / (b - a)
             i += 1
-        return total
+
+    def bytes(self, t0, t1):
+        return sum(overlap * rate for overlap, rate in self.overlaps(t0, t1))
 
     def time_below(self, t0, t1, rate):
         """Nanoseconds of [t0, t1) whose samples read below `rate` bytes per nanosecond."""
-        i, total = max(0, bisect.bisect_right(self.starts, t0) - 1), 0
-        while i < len(self.samples) and self.samples[i][0] < t1:
-            a, b, v = self.samples[i]
-            overlap = min(b, t1) - max(a, t0)
-            if overlap > 0 and v / (b - a) < rate:
-                total += overlap
-            i += 1
-        return total
+        return sum(overlap for overlap, r in self.overlaps(t0, t1) if r < rate)
 
 
 def steps_of(kernels):
@@ -154,9 +150,10 @@ def main():
         sampled = [s for s in use if dram.covers(s[0][0], max(k[1] for k in s))]
         if not sampled:
             raise SystemExit(f'{args.pm}: no step of the timeline lies inside the sampled window')
-        per_step = [dram.bytes(s[0][0], max(k[1] for k in s)) for s in sampled]
-        span = sum(max(k[1] for k in s) - s[0][0] for s in sampled)
-        low = sum(dram.time_below(s[0][0], max(k[1] for k in s), args.peak * 1e3 / 4) for s in sampled)
+        bounds = [(s[0][0], max(k[1] for k in s)) for s in sampled]
+        per_step = [dram.bytes(t0, t1) for t0, t1 in bounds]
+        span = sum(t1 - t0 for t0, t1 in bounds)
+        low = sum(dram.time_below(t0, t1, args.peak * 1e3 / 4) for t0, t1 in bounds)
         print(f'DRAM over {len(sampled)} sampled steps: {sum(per_step) / len(per_step) / 1e9:.3f} GB read a step, '
               f'{sum(per_step) / span / 1e3:.2f} TB/s on average, below {args.peak / 4:.2f} TB/s for '
               f'{100 * low / span:.0f} % of the time')
