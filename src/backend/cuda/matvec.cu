@@ -591,8 +591,7 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
             for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
                 for (int i = 0; i < NT; ++i) acc[m][r][i] = 0.0f;
-#pragma unroll 4
-        for (int u = lane + 32 * slice; u < units; u += 32 * split) {
+        const auto unit = [&](int u) {
             U wu[GLU ? 2 : 1][kRowsPerWarp];
 #pragma unroll
             for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -616,6 +615,21 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
                         for (int r = 0; r < kRowsPerWarp; ++r) acc[m][r][i] += wu[m][r].dot(u, act, i, k, tab);
                 }
             }
+        };
+        // A lane's units: u ≡ lane (mod 32). The routed IQ2_XXS gate/up gives a lane one or two a row group (V4's
+        // 4096-wide input: two), which `#pragma unroll 4` ran in its remainder loop, one unit's loads at a time; as
+        // straight code moe_shared takes ~7 % less time in the decode graph (session 34). The Q8_0 and Q2_K products
+        // lost more than that on the same path (their kernels' registers and instructions grew), so they keep the
+        // loop.
+        const int step = 32 * split, first = lane + 32 * slice, trips = (units - first + step - 1) / step;
+        if (std::is_same_v<U, Iq2XxsUnit> && GLU && trips == 2) {
+            unit(first);
+            unit(first + step);
+        } else if (std::is_same_v<U, Iq2XxsUnit> && GLU && trips == 1) {
+            unit(first);
+        } else {
+#pragma unroll 4
+            for (int u = first; u < units; u += step) unit(u);
         }
         store_rows<NT, GLU>(a, t, tile, row0, acc);
     }
