@@ -4,7 +4,8 @@
 # machine (the GPU machine then needs the driver and the toolkit's libraries the build linked, no compiler):
 #
 #   scripts/gpu-check.sh pack OUT.tar.xz           # on the build machine, from the build tree: the GPU test binaries,
-#                                                  # dsv4-cuda-bench, dsv4-bench, dsv4-sync-bench, dsv4-synth,
+#                                                  # dsv4-cuda-bench, dsv4-bench, dsv4-sync-bench,
+#                                                  # dsv4-overlap-bench, dsv4-synth,
 #                                                  # libdsv4_ktrace.so, the V4 vocabulary, the ctest files
 #   scripts/gpu-check.sh tests [PKG.tar.xz [ARGS]] # ctest -L gpu, every variant (skipped where no GPU is found);
 #                                                  # ARGS go to ctest (e.g. -R memcheck)
@@ -61,7 +62,7 @@ pack)
     (cd "$build_dir" && find . -name CTestTestfile.cmake -print0 | xargs -0 cp --parents -t "$staging")
     mkdir -p "$staging/bin" "$staging/tests" "$staging/lib" "$staging/share/dsv4"
     cp "$build_dir/bin/dsv4-cuda-bench" "$build_dir/bin/dsv4-bench" "$build_dir/bin/dsv4-synth" \
-        "$build_dir/bin/dsv4-sync-bench" "$staging/bin/"
+        "$build_dir/bin/dsv4-sync-bench" "$build_dir/bin/dsv4-overlap-bench" "$staging/bin/"
     cp "$build_dir/tests/backend_ops_test" "$build_dir/tests/cuda_model_test" "$staging/tests/"
     cp "$build_dir/lib/libdsv4_ktrace.so" "$staging/lib/"
     cp "$build_dir/share/dsv4/deepseek-v4-vocab.gguf" "$staging/share/dsv4/"
@@ -98,7 +99,7 @@ compare)
     done
     ;;
 *)
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
