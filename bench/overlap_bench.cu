@@ -12,7 +12,7 @@
 // [CHAIN_FIRST [DEPTH]]]: MB of the product (default 36: one 1024 x 32768 Q8_0 product such as q_b, o_a or o_b);
 // CHAIN_FIRST 1 captures the chain's first step before the side kernel (the graph then starts it first); DEPTH the 16
 // KB pieces a block keeps in flight while preloading (default 0: all).
-#include <cuda_runtime.h>
+#include "bench_cuda.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,27 +33,6 @@ void check(cudaError_t e, const char * what) {
     }
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ int xor16(const int4 * p) {
-    int4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v.x ^ v.y ^ v.z ^ v.w;
-}
-
-// The XOR of every thread's acc, in thread 0.
-__device__ int block_xor(int acc) {
-    __shared__ int part[kThreads / 32];
-    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int w = 1; w < kThreads / 32; ++w) acc ^= part[w];
-    return acc;
-}
-
 struct Chain {
     const int4 * w;   // cold data, kChainBytes a block and step from `first`
     size_t first;     // 16-byte units: the region's start
@@ -68,8 +47,8 @@ __global__ void __launch_bounds__(kThreads) chain_kernel(Chain a, int s, int las
     const int b = int(blockIdx.x), blocks = int(gridDim.x);
     const int4 * src = a.w + a.first + (size_t(s) * blocks + b) * (kChainBytes / 16);
     int acc = 0;
-    for (int i = int(threadIdx.x); i < kChainBytes / 16; i += kThreads) acc ^= xor16(src + i);
-    acc = block_xor(acc);
+    for (int i = int(threadIdx.x); i < kChainBytes / 16; i += kThreads) acc ^= load_xor16(src + i);
+    acc = block_xor<kThreads>(acc);
     if (threadIdx.x == 0) {
         const float prev = __ldcg(a.values + ((s + 1) % 2) * blocks + (b + 1) % blocks);
         __stcg(a.values + (s % 2) * blocks + b, prev + float(acc & 1));
@@ -82,14 +61,13 @@ struct Product {
     size_t per;         // a multiple of 16
     size_t preload;     // bytes a block pulls into shared memory before the chain is done (a multiple of 16 KB)
     const float * act;  // the chain's last values [blocks]
-    unsigned * done;    // the chain's count (preload variant)
-    unsigned expect;    // its value once the chain is done
+    unsigned * done;    // the chain's count (preload variant): one a block of the chain's grid, which is this one's
     float * out;        // [blocks]
     int * timed_out;    // set when a poll gave up (a chain that never finished would otherwise hang the GPU)
 };
 
 __device__ __forceinline__ void finish(const Product & p, int acc) {
-    acc = block_xor(acc);
+    acc = block_xor<kThreads>(acc);
     if (threadIdx.x == 0) p.out[blockIdx.x] = __ldcg(p.act + blockIdx.x) + float(acc & 1);
 }
 
@@ -104,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) product_kernel(Product p) {
     const int4 * s16 = reinterpret_cast<const int4 *>(src);
     int acc = 0;
 #pragma unroll 4
-    for (size_t i = threadIdx.x; i < p.per / 16; i += kThreads) acc ^= xor16(s16 + i);
+    for (size_t i = threadIdx.x; i < p.per / 16; i += kThreads) acc ^= load_xor16(s16 + i);
     finish(p, acc);
 }
 
@@ -113,43 +91,19 @@ __global__ void __launch_bounds__(kThreads) product_kernel(Product p) {
 // while warp 0 polls the chain's count; then the shared bytes and the rest of the share from global memory.
 constexpr int kPiece = 16 << 10, kMaxPieces = 16;
 
-__device__ __forceinline__ void wait_piece(uint64_t * bar) {
-    uint32_t ready = 0;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], 0;\n\tselp.u32 %0, 1, 0, q;\n\t}"
-            : "=r"(ready)
-            : "r"(smem_addr(bar))
-            : "memory");
-    } while (!ready);
-}
-
 __global__ void __launch_bounds__(kThreads) preload_kernel(Product p, int depth) {
     extern __shared__ __align__(128) int4 staged[];
     __shared__ uint64_t full[kMaxPieces];
     const uint8_t * src = p.w + size_t(blockIdx.x) * p.per;
     const int pieces = int(p.preload / kPiece);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < pieces; ++i)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbarriers_init(full, pieces);
     __syncthreads();
     if (threadIdx.x == 32) {
-        auto issue = [&](int i) {
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[i])),
-                         "r"(kPiece)
-                         : "memory");
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                    smem_addr(reinterpret_cast<uint8_t *>(staged) + size_t(i) * kPiece)),
-                "l"(src + size_t(i) * kPiece), "r"(kPiece), "r"(smem_addr(&full[i]))
-                : "memory");
-        };
         const int ahead = depth > 0 ? depth : pieces;
         for (int i = 0; i < pieces; ++i) {
-            if (i >= ahead) wait_piece(&full[i - ahead]);
-            issue(i);
+            if (i >= ahead) mbarrier_wait(&full[i - ahead], 0);
+            bulk_copy_to_shared(reinterpret_cast<uint8_t *>(staged) + size_t(i) * kPiece, src + size_t(i) * kPiece,
+                                kPiece, &full[i]);
         }
     }
     if (threadIdx.x == 0) {
@@ -161,18 +115,18 @@ __global__ void __launch_bounds__(kThreads) preload_kernel(Product p, int depth)
                 *p.timed_out = 1;
                 break;
             }
-        } while (seen < p.expect);
+        } while (seen < gridDim.x);
     }
     __syncthreads();
     int acc = 0;
-    for (int i = 0; i < pieces; ++i) wait_piece(&full[i]);
+    for (int i = 0; i < pieces; ++i) mbarrier_wait(&full[i], 0);
     for (size_t i = threadIdx.x; i < p.preload / 16; i += kThreads) {
         const int4 v = staged[i];
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
     }
     const int4 * s16 = reinterpret_cast<const int4 *>(src);
 #pragma unroll 4
-    for (size_t i = p.preload / 16 + threadIdx.x; i < p.per / 16; i += kThreads) acc ^= xor16(s16 + i);
+    for (size_t i = p.preload / 16 + threadIdx.x; i < p.per / 16; i += kThreads) acc ^= load_xor16(s16 + i);
     finish(p, acc);
 }
 
@@ -285,7 +239,6 @@ int main(int argc, char ** argv) {
                            preload,
                            values + ((steps - 1) % 2) * blocks,
                            done,
-                           unsigned(blocks),
                            out,
                            timed_out};
         };

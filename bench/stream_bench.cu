@@ -7,7 +7,7 @@
 // The consumers do almost no arithmetic: this measures the memory path alone. Launches rotate over buffers of more
 // than 600 MB in all, so every launch reads cold data as a decode step does. Usage: dsv4-stream-bench [MB] (36: one
 // 1024 x 32768 Q8_0 product; 560: the LM head).
-#include <cuda_runtime.h>
+#include "bench_cuda.cuh"
 
 #include <cstdint>
 #include <cstdio>
@@ -15,8 +15,6 @@
 #include <vector>
 
 namespace {
-
-__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 // The XOR of everything read, stored only if it equals a value it never takes, so that the loads are not dropped.
 __device__ __forceinline__ void keep(int acc, int * sink) {
@@ -28,11 +26,7 @@ __global__ void ldg_kernel(const int4 * __restrict__ w, size_t n16, int * sink) 
     const size_t stride = size_t(gridDim.x) * blockDim.x;
 #pragma unroll 4
     for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n16; i += stride) {
-        int4 v;
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(w + i));
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        acc ^= load_xor16(w + i);
     }
     keep(acc, sink);
 }
@@ -44,32 +38,17 @@ __global__ void tma_kernel(const uint8_t * w, size_t per, int stage, int depth, 
     const uint8_t * src = w + size_t(blockIdx.x) * per;
     const int n = int(per / size_t(stage));
     auto issue = [&](int s) {
-        uint64_t * bar = &full[s % depth];
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(stage)
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(ring + size_t(s % depth) * stage)),
-                     "l"(src + size_t(s) * stage), "r"(stage), "r"(smem_addr(bar))
-                     : "memory");
+        bulk_copy_to_shared(ring + size_t(s % depth) * stage, src + size_t(s) * stage, uint32_t(stage),
+                            &full[s % depth]);
     };
     if (threadIdx.x == 0) {
-        for (int i = 0; i < depth; ++i)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[i])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarriers_init(full, depth);
         for (int s = 0; s < depth && s < n; ++s) issue(s);
     }
     __syncthreads();
     int acc = 0;
     for (int s = 0; s < n; ++s) {
-        uint32_t done = 0;
-        do {
-            asm volatile(
-                "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, "
-                "p;\n\t}"
-                : "=r"(done)
-                : "r"(smem_addr(&full[s % depth])), "r"(uint32_t(s / depth) & 1)
-                : "memory");
-        } while (!done);
+        mbarrier_wait(&full[s % depth], uint32_t(s / depth) & 1);
         if (touch) {
             const int4 * st = reinterpret_cast<const int4 *>(ring + size_t(s % depth) * stage);
             for (int i = int(threadIdx.x); i < stage / 16; i += int(blockDim.x)) {

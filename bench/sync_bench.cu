@@ -4,7 +4,7 @@
 // does the same work: each block reads `bytes` of a buffer larger than L2 (cold weights) and one value that another
 // block wrote in the step before (the dependency), and writes one value for the next step. One block a
 // multiprocessor. Usage: dsv4-sync-bench [steps] (default 2000); prints µs a step for 0, 16 KB and 64 KB a block.
-#include <cuda_runtime.h>
+#include "bench_cuda.cuh"
 
 #include <cstdint>
 #include <cstdio>
@@ -34,21 +34,11 @@ struct Step {
 // One step of block b: its share of the cold reads, then the previous step's value of its neighbour.
 __device__ __forceinline__ void step_body(const Step & a, int s) {
     const int b = int(blockIdx.x), blocks = int(gridDim.x);
-    __shared__ int acc_shared[kThreads / 32];
     int acc = 0;
     const size_t per = size_t(a.bytes) / 16, base = (size_t(s) * blocks + b) * per % (a.w16 - per);
-    for (size_t i = threadIdx.x; i < per; i += kThreads) {
-        int4 v;
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "l"(a.w + base + i));
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
-    if ((threadIdx.x & 31) == 0) acc_shared[threadIdx.x >> 5] = acc;
-    __syncthreads();
+    for (size_t i = threadIdx.x; i < per; i += kThreads) acc ^= load_xor16(a.w + base + i);
+    acc = block_xor<kThreads>(acc);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < kThreads / 32; ++w) acc ^= acc_shared[w];
         const float prev = __ldcg(a.values + ((s + 1) % 2) * blocks + (b + 1) % blocks);
         __stcg(a.values + (s % 2) * blocks + b, prev + float(acc & 1));
     }

@@ -1,0 +1,59 @@
+// Device pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench): cold
+// 16-byte loads whose values are XOR-folded so that they are not dropped, and bulk copies into shared memory
+// counted on mbarriers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes read past L1 (weights are read once), folded into one int.
+__device__ __forceinline__ int load_xor16(const int4 * p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v.x ^ v.y ^ v.z ^ v.w;
+}
+
+// The XOR of every thread's acc, in thread 0 (THREADS threads a block, every one calling).
+template <int THREADS>
+__device__ int block_xor(int acc) {
+    __shared__ int part[THREADS / 32];
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < THREADS / 32; ++w) acc ^= part[w];
+    return acc;
+}
+
+// mbarriers [0, n) for one arriving thread each, visible to the bulk copies once this returns.
+__device__ __forceinline__ void mbarriers_init(uint64_t * bars, int n) {
+    for (int i = 0; i < n; ++i)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Copies bytes from global memory to dst in shared memory; bar completes its phase when they have landed.
+__device__ __forceinline__ void bulk_copy_to_shared(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// Spins until bar's phase of the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t * bar, uint32_t parity) {
+    uint32_t done = 0;
+    do {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
