@@ -4,6 +4,11 @@
 // does the same work: each block reads `bytes` of a buffer larger than L2 (cold weights) and one value that another
 // block wrote in the step before (the dependency), and writes one value for the next step. One block a
 // multiprocessor. Usage: dsv4-sync-bench [steps] (default 2000); prints µs a step for 0, 16 KB and 64 KB a block.
+// Then a timeline of how far ahead programmatic dependent launch lets a chain's kernels in: one kernel that spins for
+// 40 µs after its wait, followed by kernels that spin for 0 or 2 µs, each of every kernel's blocks releasing its
+// successor before its own wait (as dsv4's kernels do); when each kernel's first block started and its last ended.
+// The followers hold no shared memory, then 80 KB a block (two fit beside each other on a multiprocessor), then 80 KB
+// with every kernel preferring the largest shared-memory carveout.
 #include "bench_cuda.cuh"
 
 #include <cstdint>
@@ -79,6 +84,26 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(Step a, int steps)
     }
 }
 
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Kernel k of the launch-depth probe: stamps its first block's start (before the wait) and its last block's end. Its
+// dynamic shared memory is never touched: it only takes room on the multiprocessor.
+__global__ void __launch_bounds__(kThreads)
+    probe_kernel(unsigned long long * start, unsigned long long * end, int k, int spin_ns) {
+    if (threadIdx.x == 0) atomicMin(start + k, now_ns());
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < static_cast<unsigned long long>(spin_ns)) {
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) atomicMax(end + k, now_ns());
+}
+
 template <class Enqueue>
 float time_ms(cudaStream_t stream, Enqueue && enqueue) {
     cudaEvent_t start, stop;
@@ -132,6 +157,51 @@ float persistent_ms(cudaStream_t stream, Step a, int blocks, int steps) {
     });
 }
 
+// The probe's graph: kernel 0 spins 40 µs, kernels 1.. spin `spin_ns` holding `smem` bytes a block; prints each
+// kernel's start and end in µs from kernel 0's start (the second of two replays).
+void probe_depth(cudaStream_t stream, int blocks, int kernels, int spin_ns, int smem, int carveout) {
+    check(cudaFuncSetAttribute(probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "smem");
+    check(cudaFuncSetAttribute(probe_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout), "carveout");
+    unsigned long long *start = nullptr, *end = nullptr;
+    check(cudaMalloc(&start, size_t(kernels) * sizeof(unsigned long long)), "cudaMalloc(start)");
+    check(cudaMalloc(&end, size_t(kernels) * sizeof(unsigned long long)), "cudaMalloc(end)");
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    check(cudaMemsetAsync(start, 0xff, size_t(kernels) * sizeof(unsigned long long), stream), "cudaMemsetAsync");
+    check(cudaMemsetAsync(end, 0, size_t(kernels) * sizeof(unsigned long long), stream), "cudaMemsetAsync");
+    for (int k = 0; k < kernels; ++k) {
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(unsigned(blocks));
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = k > 0 ? size_t(smem) : 0;
+        config.stream = stream;
+        cudaLaunchAttribute attribute = {};
+        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attribute.val.programmaticStreamSerializationAllowed = 1;
+        config.attrs = &attribute;
+        config.numAttrs = k > 0 ? 1 : 0;  // the first kernel follows the memsets
+        check(cudaLaunchKernelEx(&config, probe_kernel, start, end, k, k == 0 ? 40000 : spin_ns), "cudaLaunchKernelEx");
+    }
+    check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    for (int replay = 0; replay < 2; ++replay) check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+    check(cudaStreamSynchronize(stream), "probe");
+    std::vector<unsigned long long> s(static_cast<size_t>(kernels)), e(static_cast<size_t>(kernels));
+    check(cudaMemcpy(s.data(), start, s.size() * sizeof(s[0]), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(cudaMemcpy(e.data(), end, e.size() * sizeof(e[0]), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    std::printf(
+        "kernels after a 40 us one spinning %.1f us each, %d KB a block, carveout %d, %d blocks: start..end "
+        "in us from the first's start\n",
+        spin_ns / 1e3, smem >> 10, carveout, blocks);
+    for (int k = 0; k < kernels; ++k)
+        std::printf("  %d: %7.2f .. %7.2f\n", k, double(s[size_t(k)] - s[0]) / 1e3, double(e[size_t(k)] - s[0]) / 1e3);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(start);
+    cudaFree(end);
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -170,5 +240,8 @@ int main(int argc, char ** argv) {
                     chain_ms<false>(stream, a, blocks, steps) * us, chain_ms<true>(stream, a, blocks, steps) * us,
                     persistent_ms(stream, a, blocks, steps) * us);
     }
+    for (int smem : {0, 80 << 10})
+        for (int spin_ns : {0, 2000}) probe_depth(stream, blocks, 8, spin_ns, smem, cudaSharedmemCarveoutDefault);
+    for (int spin_ns : {0, 2000}) probe_depth(stream, blocks, 8, spin_ns, 80 << 10, cudaSharedmemCarveoutMaxShared);
     return 0;
 }
