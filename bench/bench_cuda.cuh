@@ -1,11 +1,30 @@
-// Device pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench): cold
-// 16-byte loads whose values are XOR-folded so that they are not dropped, and bulk copies into shared memory
-// counted on mbarriers.
+// Pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench): cold 16-byte
+// loads whose values are XOR-folded so that they are not dropped, bulk copies into shared memory counted on
+// mbarriers, and launches under programmatic dependent launch.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+// blocks × threads of kernel on s with smem bytes of dynamic shared memory; with pdl, under programmatic dependent
+// launch (the kernel may start before its predecessor ends and must wait for it itself).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), int blocks, int threads, size_t smem, bool pdl, cudaStream_t s,
+                       Args... args) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(blocks));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem;
+    config.stream = s;
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
 

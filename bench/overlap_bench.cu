@@ -130,21 +130,6 @@ __global__ void __launch_bounds__(kThreads) preload_kernel(Product p, int depth)
     finish(p, acc);
 }
 
-// One block a multiprocessor, under programmatic dependent launch.
-template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), int blocks, cudaStream_t s, Args... args) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(blocks));
-    config.blockDim = dim3(kThreads);
-    config.stream = s;
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    check(cudaLaunchKernelEx(&config, kernel, args...), "cudaLaunchKernelEx");
-}
-
 // Mean µs of one replay, over 4 rounds of the regions' graphs after one warm-up round.
 template <class Build>
 double replay_us(cudaStream_t stream, Build && build) {
@@ -231,7 +216,9 @@ int main(int argc, char ** argv) {
     for (int steps : {4, 10, 16}) {
         auto chain = [&](int r, bool count) {
             Chain a{reinterpret_cast<const int4 *>(chain_w), size_t(r) * chain_region / 16, values, done};
-            for (int s = 0; s < steps; ++s) launch_pdl(chain_kernel, blocks, stream, a, s, count && s == steps - 1);
+            for (int s = 0; s < steps; ++s)
+                check(launch_pdl(chain_kernel, blocks, kThreads, 0, true, stream, a, s, count && s == steps - 1),
+                      "cudaLaunchKernelEx");
         };
         auto product = [&](int r, size_t preload) {
             return Product{product_w + size_t(r) * per * blocks,
@@ -245,7 +232,7 @@ int main(int argc, char ** argv) {
         const double chain_us = replay_us(stream, [&](int r) { chain(r, false); });
         const double then_us = replay_us(stream, [&](int r) {
             chain(r, false);
-            launch_pdl(product_kernel, blocks, stream, product(r, 0));
+            check(launch_pdl(product_kernel, blocks, kThreads, 0, true, stream, product(r, 0)), "cudaLaunchKernelEx");
         });
         std::printf("%6d %10.2f %16.2f", steps, chain_us, then_us);
         for (size_t kb : {0, 64, 128, 192}) {

@@ -129,16 +129,7 @@ float chain_ms(cudaStream_t stream, const Step & a, int blocks, int steps) {
     cudaGraphExec_t exec;
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
     for (int s = 0; s < steps; ++s) {
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(unsigned(blocks));
-        config.blockDim = dim3(kThreads);
-        config.stream = stream;
-        cudaLaunchAttribute attribute = {};
-        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attribute.val.programmaticStreamSerializationAllowed = 1;
-        config.attrs = &attribute;
-        config.numAttrs = PDL ? 1 : 0;
-        check(cudaLaunchKernelEx(&config, step_kernel<PDL>, a, s), "cudaLaunchKernelEx");
+        check(launch_pdl(step_kernel<PDL>, blocks, kThreads, 0, PDL, stream, a, s), "cudaLaunchKernelEx");
     }
     check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
@@ -171,17 +162,10 @@ void probe_depth(cudaStream_t stream, int blocks, int kernels, int spin_ns, int 
     check(cudaMemsetAsync(start, 0xff, size_t(kernels) * sizeof(unsigned long long), stream), "cudaMemsetAsync");
     check(cudaMemsetAsync(end, 0, size_t(kernels) * sizeof(unsigned long long), stream), "cudaMemsetAsync");
     for (int k = 0; k < kernels; ++k) {
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(unsigned(blocks));
-        config.blockDim = dim3(kThreads);
-        config.dynamicSmemBytes = k > 0 ? size_t(smem) : 0;
-        config.stream = stream;
-        cudaLaunchAttribute attribute = {};
-        attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attribute.val.programmaticStreamSerializationAllowed = 1;
-        config.attrs = &attribute;
-        config.numAttrs = k > 0 ? 1 : 0;  // the first kernel follows the memsets
-        check(cudaLaunchKernelEx(&config, probe_kernel, start, end, k, k == 0 ? 40000 : spin_ns), "cudaLaunchKernelEx");
+        // the first kernel follows the memsets
+        check(launch_pdl(probe_kernel, blocks, kThreads, k > 0 ? size_t(smem) : 0, k > 0, stream, start, end, k,
+                         k == 0 ? 40000 : spin_ns),
+              "cudaLaunchKernelEx");
     }
     check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
