@@ -12,6 +12,10 @@
 #   scripts/gpu-check.sh bench [PKG.tar.xz]        # prefill of an 8K and a 64K prompt in chunks of 16384 and decode at
 #                                                  # 2K and 32K on 4- and 8-layer q2 files of V4 Flash's shapes, then
 #                                                  # the 43-layer extrapolation (scripts/extrapolate.py)
+#   scripts/gpu-check.sh skip [PKG.tar.xz]         # what each kind of small kernel adds to a decode step at 2K: the
+#                                                  # 4- and 8-layer steps with one kind left out of the graph at a
+#                                                  # time (DSV4_CUDA_SKIP; the values are then wrong), DSV4_SKIP_ROUNDS
+#                                                  # rounds (default 2), the 8-layer step's change per layer
 #   scripts/gpu-check.sh compare [PKG.tar.xz] LLAMA_BENCH
 #                                                  # bench/compare.sh (llama.cpp's llama-bench against dsv4-bench, 8K
 #                                                  # prompt and decode after it, chunks of 2048) on the same files
@@ -89,6 +93,31 @@ bench)
     done
     python3 scripts/extrapolate.py "$models/bench4.txt" "$models/bench8.txt"
     ;;
+skip)
+    [[ $# -gt 0 ]] && unpack "$1"
+    # hc_sinkhorn is not among them: the next boundary polls for its count and traps.
+    kinds=(none hc_cluster quantize_rows moe_down "indexer_scores,indexer_topk,hadamard,::rope_kernel" attention_kernel
+        norm_rope attention_combine compressor_ rms_norm moe_combine moe_shared cand_)
+    synth 4
+    synth 8
+    for ((round = 1; round <= ${DSV4_SKIP_ROUNDS:-2}; ++round)); do
+        for kind in "${kinds[@]}"; do
+            line=$kind
+            for layers in 4 8; do
+                ms=$(DSV4_CUDA_SKIP=$([[ $kind == none ]] || echo "$kind") timeout 120 "$tree/bin/dsv4-cuda-bench" \
+                    "$models/flash$layers-q2v.gguf" --depth 2048 --decode 64 2> /dev/null |
+                    sed -nE 's/.*decode ([0-9.]+) ms.*/\1/p' || true)
+                line="$line ${ms:-failed}"
+            done
+            echo "$line"
+        done
+    done | tee "$models/skip.txt"
+    # Means over the rounds; a kind's cost is the 8-layer step's change against `none`, divided by its 8 layers.
+    awk '$2 != "failed" && $3 != "failed" { n[$1]++; a[$1] += $2; b[$1] += $3; if (!($1 in seen)) { seen[$1] = 1; order[++k] = $1 } }
+        END { printf "%-52s %9s %9s %12s\n", "left out", "4 layers", "8 layers", "us a layer";
+              for (i = 1; i <= k; ++i) { x = order[i]; printf "%-52s %9.4f %9.4f %12.1f\n", x, a[x] / n[x], b[x] / n[x],
+                  (b[x] / n[x] - b["none"] / n["none"]) * 1000 / 8 } }' "$models/skip.txt"
+    ;;
 compare)
     [[ $# -gt 1 ]] && { unpack "$1"; shift; }
     llama_bench=$(cd "$caller" && realpath -m "${1:?gpu-check.sh compare [PKG.tar.xz] LLAMA_BENCH}")
@@ -99,7 +128,7 @@ compare)
     done
     ;;
 *)
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
