@@ -95,6 +95,7 @@ bench)
     ;;
 skip)
     [[ $# -gt 0 ]] && unpack "$1"
+    read -r -a extra <<< "${DSV4_BENCH_ARGS:-}"
     # hc_sinkhorn is not among them: the next boundary polls for its count and traps.
     kinds=(none hc_cluster quantize_rows moe_down "indexer_scores,indexer_topk,hadamard,::rope_kernel" attention_kernel
         norm_rope attention_combine compressor_ rms_norm moe_combine moe_shared cand_)
@@ -105,7 +106,7 @@ skip)
             line=$kind
             for layers in 4 8; do
                 ms=$(DSV4_CUDA_SKIP=$([[ $kind == none ]] || echo "$kind") timeout 120 "$tree/bin/dsv4-cuda-bench" \
-                    "$models/flash$layers-q2v.gguf" --depth 2048 --decode 64 2> /dev/null |
+                    "$models/flash$layers-q2v.gguf" --depth 2048 --decode 64 "${extra[@]}" 2> /dev/null |
                     sed -nE 's/.*decode ([0-9.]+) ms.*/\1/p' || true)
                 line="$line ${ms:-failed}"
             done
@@ -114,7 +115,8 @@ skip)
     done | tee "$models/skip.txt"
     # Means over the rounds; a kind's cost is the 8-layer step's change against `none`, divided by its 8 layers.
     awk '$2 != "failed" && $3 != "failed" { n[$1]++; a[$1] += $2; b[$1] += $3; if (!($1 in seen)) { seen[$1] = 1; order[++k] = $1 } }
-        END { printf "%-52s %9s %9s %12s\n", "left out", "4 layers", "8 layers", "us a layer";
+        END { if (!n["none"]) { print "gpu-check: the step with nothing left out failed" > "/dev/stderr"; exit 1 }
+              printf "%-52s %9s %9s %12s\n", "left out", "4 layers", "8 layers", "us a layer";
               for (i = 1; i <= k; ++i) { x = order[i]; printf "%-52s %9.4f %9.4f %12.1f\n", x, a[x] / n[x], b[x] / n[x],
                   (b[x] / n[x] - b["none"] / n["none"]) * 1000 / 8 } }' "$models/skip.txt"
     ;;
