@@ -99,14 +99,14 @@ skip)
     # hc_sinkhorn is not among them: the next boundary polls for its count and traps.
     kinds=(none hc_cluster quantize_rows moe_down "indexer_scores,indexer_topk,hadamard,::rope_kernel" attention_kernel
         norm_rope attention_combine compressor_ rms_norm moe_combine moe_shared cand_)
-    synth 4
-    synth 8
+    mkdir -p "$models"  # for skip.txt, before synth makes the files
     for ((round = 1; round <= ${DSV4_SKIP_ROUNDS:-2}; ++round)); do
         for kind in "${kinds[@]}"; do
             line=$kind
             for layers in 4 8; do
+                synth "$layers"
                 ms=$(DSV4_CUDA_SKIP=$([[ $kind == none ]] || echo "$kind") timeout 120 "$tree/bin/dsv4-cuda-bench" \
-                    "$models/flash$layers-q2v.gguf" --depth 2048 --decode 64 "${extra[@]}" 2> /dev/null |
+                    "$file" --depth 2048 --decode 64 "${extra[@]}" 2> /dev/null |
                     sed -nE 's/.*decode ([0-9.]+) ms.*/\1/p' || true)
                 line="$line ${ms:-failed}"
             done
