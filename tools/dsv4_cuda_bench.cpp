@@ -1,6 +1,6 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
 //   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048] [--warmup N] [--layer-checks]
-//                                                                              prefill to each depth, then decode
+//                         [--ctx N]                                            prefill to each depth, then decode
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
 // Decode timings include the per-token host work of the engine's path: Model::eval (the token's and position's
 // writes, the graph's launch) and the greedy token from the device's candidates (Model::logit_candidates).
@@ -53,7 +53,8 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              int64_t n_warmup, bool layer_checks, Numerics numerics, const CudaBackendOptions & options) {
+              int64_t n_warmup, int64_t n_ctx, bool layer_checks, Numerics numerics,
+              const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
@@ -70,7 +71,9 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
                 wb / kRooflineBytesPerSecond * 1e6, kRooflineBytesPerSecond / 1e12);
     std::mt19937 rng(7);
     for (int64_t depth : depths) {
-        auto state = model.new_state(depth + n_decode + 4);
+        // The state holds the depth and the decoded tokens, or --ctx tokens (a server's session holds its whole
+        // context whatever the conversation's length).
+        auto state = model.new_state(std::max(depth + n_decode + 4, n_ctx));
         std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(depth, 1)));
         for (auto & t : prompt) t = int32_t(rng() % uint32_t(c.n_vocab));
         // The first prefill of a process pays one-time costs (kernels load at their first launch, scratch grows to
@@ -105,10 +108,10 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         const double per_token = dec.seconds() / double(n_decode);
         pm_window(*backend, options.device, false);
         std::printf(
-            "depth %6ld: prefill %7.1f tok/s (%.2f s, ubatch %ld; first %.2f s) | decode %.3f ms/token = %.1f "
-            "tok/s, %.1f %% of the weight roofline\n",
-            depth, double(prompt.size()) / pf_s, pf_s, n_ubatch, first_s, per_token * 1e3, 1.0 / per_token,
-            100.0 * wb / kRooflineBytesPerSecond / per_token);
+            "depth %6ld: prefill %7.1f tok/s (%.2f s, ubatch %ld, ctx %ld; first %.2f s) | decode %.3f ms/token = "
+            "%.1f tok/s, %.1f %% of the weight roofline\n",
+            depth, double(prompt.size()) / pf_s, pf_s, n_ubatch, state->n_ctx(), first_s, per_token * 1e3,
+            1.0 / per_token, 100.0 * wb / kRooflineBytesPerSecond / per_token);
     }
     return 0;
 }
@@ -290,7 +293,7 @@ std::vector<int64_t> parse_list(const std::string & s) {
 
 int main(int argc, char ** argv) {
     std::string model, depths = "1,2048", numerics_arg = "official";
-    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0;
+    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0, n_ctx = 0;
     int gpu = 0;
     bool kernels = false, profile = false, no_tensor_cores = false, layer_checks = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
@@ -299,6 +302,7 @@ int main(int argc, char ** argv) {
     app.add_option("--decode", n_decode, "decode steps timed at each depth (default 32)");
     app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
     app.add_option("--warmup", n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
+    app.add_option("--ctx", n_ctx, "tokens the decoded state holds (default: the depth and the decoded tokens)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
     app.add_flag("--layer-checks", layer_checks,
                  "time the prefill with a progress function, as the server runs it (long chunks wait between layers)");
@@ -323,7 +327,8 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, layer_checks, numerics, options);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, n_ctx, layer_checks, numerics,
+                         options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

@@ -3,6 +3,8 @@
 #include "model/layout.h"
 #include "util/error.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -127,6 +129,18 @@ Tensor first(const Tensor & t, int64_t n) {
     Tensor v = t;
     v.ne[3] = n;
     return v;
+}
+
+// The context a chunk that ends before token `end` attends over, rounded up to a power of two (at least 4096
+// tokens). Attention and the indexer get a state's compressed rows and indexer keys up to this bound, not up to
+// its capacity: a GPU's decode grids and kernel choices follow the rows they are given (the indexer's slices and
+// split top-k, the HCA attention's tiles), and a state holding 1M tokens decoded ~8 % slower at 2K than one holding
+// the depth (docs/cuda.md, "Session 38"). A decode step's graph is captured once per bound.
+int64_t context_bound(int64_t end) { return std::max<int64_t>(4096, int64_t(std::bit_ceil(uint64_t(end)))); }
+
+// The first rows of a compressed store that a context of `bound` tokens can see at ratio R.
+Tensor visible_rows(const Tensor & store, int64_t bound, int64_t R) {
+    return row_view(store, 0, std::min(store.rows(), bound / R));
 }
 
 }  // namespace
@@ -263,9 +277,12 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         }
     };
     candidates_of_ = nullptr;
-    // A decode step is the same op sequence at every position of a state: a device backend replays a capture.
+    // A decode step is the same op sequence at every position of a state below one context bound: a device backend
+    // replays a capture per state, logits mode and bound.
     if (n == 1 && !trace_)
-        b.run_captured(std::hash<const void *>()(&state) * 31 + uint64_t(mode), body);
+        b.run_captured((std::hash<const void *>()(&state) * 31 + uint64_t(mode)) * 64 +
+                           uint64_t(std::countr_zero(uint64_t(context_bound(pos0 + n)))),
+                       body);
     else
         body();
     if (stopped) {
@@ -475,7 +492,8 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
                                          official ? RowRounding::fp8 : RowRounding::none, d - c.n_rot};
         b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, csa, finish, S.comp);
         if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
-        comp.rows = S.comp;
+        const int64_t bound = context_bound(pos0 + n);
+        comp.rows = visible_rows(S.comp, bound, R);
         comp.ratio = R;
 
         if (csa) {
@@ -490,7 +508,8 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
             } else {
                 Tensor sel = first(w.selected, n);
                 // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
-                b.indexer_select(iq, iw, S.idx_keys, pos, R, 1.0f / std::sqrt(float(dI) * float(HI)), sel);
+                b.indexer_select(iq, iw, visible_rows(S.idx_keys, bound, R), pos, R,
+                                 1.0f / std::sqrt(float(dI) * float(HI)), sel);
                 comp.selected = sel;
                 trace("indexer_topk", il, sel);
             }

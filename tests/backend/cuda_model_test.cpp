@@ -172,6 +172,36 @@ TEST_P(CudaModel, SnapshotRestoreContinues) {
     EXPECT_LT(worst, 1e-4);
 }
 
+// Attention and the indexer see a state's compressed rows and indexer keys up to a power-of-two bound of the
+// context (forward.cpp, context_bound), not up to the state's capacity; decode steps get one graph per bound.
+// Decoding across the first bound (4096 tokens) in a state that holds 1M tokens must give what a state holding just
+// the tokens gives (its views end at its capacity): a bound short of a step's context would drop its newest rows.
+TEST_P(CudaModel, LargeStateDecodesAsSmallOne) {
+    const std::string name = GetParam();
+    Runner r(gguf(name, StorageMix::f32), cuda(), 512);
+    Model & m = *r.model;
+    const int64_t V = m.config().n_vocab;
+    const size_t prompt = 4088, n = 4104;
+    std::vector<int32_t> tokens(n);
+    for (size_t i = 0; i < n; ++i) tokens[i] = int32_t((i * 7919 + 13) % size_t(V));
+    std::vector<float> logits[2];
+    const int64_t capacity[2] = {int64_t(n), int64_t(1) << 20};
+    for (int s = 0; s < 2; ++s) {
+        auto state = m.new_state(capacity[s]);
+        m.eval(*state, std::span<const int32_t>(tokens).first(prompt), LogitsMode::none, nullptr);
+        logits[s].resize((n - prompt) * size_t(V));
+        for (size_t i = prompt; i < n; ++i)
+            m.eval(*state, std::span<const int32_t>(tokens).subspan(i, 1), LogitsMode::all,
+                   logits[s].data() + (i - prompt) * size_t(V));
+    }
+    double worst = 0;
+    for (size_t i = 0; i < logits[0].size(); ++i)
+        worst = std::max(
+            worst, std::fabs(double(logits[1][i]) - logits[0][i]) / std::max(1.0, std::fabs(double(logits[0][i]))));
+    std::printf("  %-52s max rel err %.3g\n", (name + ": 1M-token state against a 4104-token one").c_str(), worst);
+    EXPECT_LT(worst, 1e-4);
+}
+
 // The sampler's candidates of a decode step come from inside its graph: they must be the candidates of that
 // state's own last row. Two states decode in turn, so the workspace's candidates belong to the other state when the
 // first one asks for its own again (they are computed then).

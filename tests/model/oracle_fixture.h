@@ -134,7 +134,9 @@ inline std::vector<float> stopped_chunk_then_rest(Model & model, const std::vect
     EXPECT_FALSE(finished);
     EXPECT_EQ(s->n_past(), 32);
     EXPECT_EQ(int64_t(reported.size()), stop_at);
-    if (int64_t(reported.size()) >= L) EXPECT_EQ(reported[size_t(L - 1)], 16);  // the first chunk whole
+    if (int64_t(reported.size()) >= L) {
+        EXPECT_EQ(reported[size_t(L - 1)], 16);  // the first chunk whole
+    }
     EXPECT_TRUE(std::is_sorted(reported.begin(), reported.end()));
     EXPECT_LT(reported.back(), 32);
     std::vector<float> rest((tokens.size() - 32) * size_t(V));

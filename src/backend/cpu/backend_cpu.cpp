@@ -397,6 +397,8 @@ class CpuBackend final : public Backend {
             std::vector<int32_t> order;
             for (size_t t = b; t < e; ++t) {
                 const int64_t visible = (int64_t(positions.i32()[t]) + 1) / ratio;
+                DSV4_CHECK(visible <= keys.rows(), "indexer_select: position {} sees {} keys, {} given",
+                           positions.i32()[t], visible, keys.rows());
                 int32_t * sel = selected.i32() + int64_t(t) * top_k;
                 std::fill_n(sel, top_k, -1);
                 if (visible <= top_k) {
@@ -454,6 +456,9 @@ class CpuBackend final : public Backend {
                             if (sel[j] >= 0) rows.push_back(comp.rows.f32() + int64_t(sel[j]) * dim);
                     } else {
                         const int64_t visible = (pos + 1) / comp.ratio;
+                        DSV4_CHECK(visible <= comp.rows.rows(),
+                                   "attention: position {} sees {} compressed rows, {} given", pos, visible,
+                                   comp.rows.rows());
                         for (int64_t r = 0; r < visible; ++r) rows.push_back(comp.rows.f32() + r * dim);
                     }
                 }
