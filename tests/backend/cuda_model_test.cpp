@@ -164,10 +164,8 @@ TEST_P(CudaModel, SnapshotRestoreContinues) {
     for (size_t i = half; i < n; ++i)  // decode steps after the restore
         r.model->eval(*b, std::span<const int32_t>(f.tokens).subspan(i, 1), LogitsMode::all,
                       rest.data() + (i - half) * size_t(V));
-    double worst = 0;
-    for (size_t i = 0; i < rest.size(); ++i)
-        worst = std::max(worst, std::fabs(double(rest[i]) - whole[half * size_t(V) + i]) /
-                                    std::max(1.0, std::fabs(double(whole[half * size_t(V) + i]))));
+    const double worst =
+        oracle::max_rel_err(rest, std::span<const float>(whole).subspan(half * size_t(V), rest.size()));
     std::printf("  %-52s max rel err %.3g\n", (name + ": restored state, decoded").c_str(), worst);
     EXPECT_LT(worst, 1e-4);
 }
@@ -194,10 +192,7 @@ TEST_P(CudaModel, LargeStateDecodesAsSmallOne) {
             m.eval(*state, std::span<const int32_t>(tokens).subspan(i, 1), LogitsMode::all,
                    logits[s].data() + (i - prompt) * size_t(V));
     }
-    double worst = 0;
-    for (size_t i = 0; i < logits[0].size(); ++i)
-        worst = std::max(
-            worst, std::fabs(double(logits[1][i]) - logits[0][i]) / std::max(1.0, std::fabs(double(logits[0][i]))));
+    const double worst = oracle::max_rel_err(logits[1], logits[0]);
     std::printf("  %-52s max rel err %.3g\n", (name + ": 1M-token state against a 4104-token one").c_str(), worst);
     EXPECT_LT(worst, 1e-4);
 }

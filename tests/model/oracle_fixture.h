@@ -12,11 +12,13 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
+#include <span>
 
 namespace dsv4::oracle {
 
@@ -151,6 +153,14 @@ inline std::vector<int64_t> uniform_calls(size_t total, int64_t step) {
     for (size_t done = 0; done < total; done += size_t(step))
         calls.push_back(std::min<int64_t>(step, int64_t(total - done)));
     return calls;
+}
+
+// The largest error of `got` against `ref`, relative to |ref| but never to less than 1 (logits near zero).
+inline double max_rel_err(std::span<const float> got, std::span<const float> ref) {
+    double worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i)
+        worst = std::max(worst, std::fabs(double(got[i]) - double(ref[i])) / std::max(1.0, std::fabs(double(ref[i]))));
+    return worst;
 }
 
 // A prefill of `first` tokens, then one call per token.

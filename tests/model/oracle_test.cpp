@@ -206,11 +206,7 @@ TEST_P(Intermediates, EveryBlockMatches) {
         ASSERT_NE(it, got_f.end()) << "not traced";
         ASSERT_EQ(it->second.size(), size_t(t.n_elements()));
         const float * rv = reinterpret_cast<const float *>(t.data);
-        double max_err = 0;
-        for (int64_t i = 0; i < t.n_elements(); ++i)
-            max_err = std::max(max_err, std::fabs(double(rv[i]) - double(it->second[size_t(i)])) /
-                                            std::max(1.0, std::fabs(double(rv[i]))));
-        EXPECT_LT(max_err, 1e-4);
+        EXPECT_LT(oracle::max_rel_err(it->second, std::span<const float>(rv, size_t(t.n_elements()))), 1e-4);
         ++compared;
     }
     EXPECT_GT(compared, 20u);
@@ -320,10 +316,7 @@ TEST_P(Quantized, ConversionErrorIsBoundedAndKernelsAreExact) {
         EXPECT_LT(d.mean, q.max_mean) << what;
         EXPECT_GT(d.top1, q.min_top1) << what;
     }
-    double worst = 0;
-    for (size_t i = 0; i < twin.size(); ++i)
-        worst = std::max(worst, std::fabs(double(f32act[i]) - double(twin[i])) / std::max(1.0, std::fabs(double(twin[i]))));
-    EXPECT_LT(worst, 1e-4) << "quantized kernels differ from dequantize-then-f32";
+    EXPECT_LT(oracle::max_rel_err(f32act, twin), 1e-4) << "quantized kernels differ from dequantize-then-f32";
     fs::remove(twin_path);
 }
 
