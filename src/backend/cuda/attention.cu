@@ -79,6 +79,7 @@ __device__ float pool_channel(const CompressorArgs & a, int64_t b, int64_t c, in
 // Pools and finishes the row of every block that the chunk completes, one block per token: the pooled row in
 // shared memory, then RMSNorm, RoPE at the block's first position b·R, rounding, and the store.
 __global__ void compressor_rows_kernel(const CompressorArgs a) {
+    const float freq0 = rope_freq0(a.inv_freq, a.n_rot);
     pdl_begin();
     extern __shared__ float row[];  // [width]
     __shared__ double red[32];
@@ -96,7 +97,7 @@ __global__ void compressor_rows_kernel(const CompressorArgs a) {
     const float scale = 1.0f / sqrtf(float(ss / double(width)) + a.eps);
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) row[i] = a.norm[i] * (row[i] * scale);
     __syncthreads();
-    rope_row_shared(row, width, a.n_rot, a.inv_freq, float(b * R));
+    rope_row_shared(row, width, a.n_rot, a.inv_freq, freq0, float(b * R));
     __syncthreads();
     if (a.rounding == 1) fp8_row_shared(row, a.fp8_dims);
     if (a.rounding == 2) hadamard_fp4_shared(row, width);
@@ -212,19 +213,6 @@ __global__ void indexer_scores_kernel(const IndexerArgs a) {
 // 4 keys a warp in a row (as before) kept a decode step's ~530 rows on 17 multiprocessors, bound by their shared
 // memory (9.3 µs a CSA layer at 2K against 4.4 now); a long context's rows still take several rounds a warp.
 constexpr int kIdxFastHeads = 64, kIdxFastDim = 128;
-
-// One butterfly step over the first N values: lanes with bit o set keep the upper half, the others the lower, each
-// adding its partner's copy of the half it keeps. A template so that every index is a constant (registers).
-template <int N, int S>
-__device__ __forceinline__ void butterfly_half(float (&v)[S], int lane, int o) {
-    const bool upper = lane & o;
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-        const float send = upper ? v[i] : v[i + N / 2];
-        const float keep = upper ? v[i + N / 2] : v[i];
-        v[i] = keep + __shfl_xor_sync(kFull, send, o);
-    }
-}
 
 __global__ void __launch_bounds__(256) indexer_scores_h64_kernel(const IndexerArgs a) {
     pdl_begin();
@@ -1149,14 +1137,34 @@ constexpr int kMaxSplits = 64;
 // One block per (token, head): warp 0 weighs the splits (max, denominator with the sink; each split's weight
 // exp(m_s - max) computed once, by its lane, and kept in shared memory), then every thread sums two channels over
 // the splits. A block per head, not a warp, so a decode step's 64 heads keep 64 SMs busy, and
-// the split loop's loads are independent (no branch around them) so they overlap.
+// the split loop's loads are independent (no branch around them) so they overlap. The numerators do not depend on
+// the weights: a thread's first batch of them (every split of a decode step up to 32) is loaded with the maxima,
+// so the kernel waits on one L2 round trip after the attention, not two.
 __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     __shared__ float weight[kMaxSplits];
     __shared__ float s_inv;
     const int64_t th = blockIdx.x, h = th % a.heads, d = a.dim;
     const float sink = a.sinks[h];  // a weight: read before the wait
+    const int64_t rot0 = d - a.out_n_rot, e_first = 2 * int64_t(threadIdx.x);
+    const float inv_freq = a.out_n_rot > 0 && e_first >= rot0 && e_first < d ? a.out_inv_freq[(e_first - rot0) / 2] : 0;
     pdl_begin();
     const float * part = a.partial + th * splits * (d + 2);
+    // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN. The
+    // numerators of kBatch splits are loaded before any is added (a decode step has 16-64 splits: one L2 round trip
+    // per split was most of this kernel's time, and one per 8 splits still 5 for a CSA layer's 33); the sum order
+    // stays split by split.
+    constexpr int kBatch = 32;
+    float v0[kBatch], v1[kBatch];
+    const auto load_batch = [&](int64_t e, int s0) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+            const float * p = part + (s0 + j) * (d + 2) + 2 + e;
+            v0[j] = s0 + j < splits ? p[0] : 0.0f;
+            v1[j] = s0 + j < splits && e + 1 < d ? p[1] : 0.0f;
+        }
+    };
+    if (e_first < d) load_batch(e_first, 0);
+    const float pos = float(a.positions[th / a.heads]);
     if (threadIdx.x < 32) {
         // A lane's splits (lane, lane + 32) and their maxima and denominators, loaded at once.
         const int lane = threadIdx.x;
@@ -1185,22 +1193,11 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     }
     __syncthreads();
     const float inv = s_inv;
-    // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN. The
-    // numerators of kBatch splits are loaded before any is added (a decode step has 16-64 splits: one L2 round trip
-    // per split was most of this kernel's time, and one per 8 splits still 5 for a CSA layer's 33); the sum order
-    // stays split by split.
-    constexpr int kBatch = 32;
-    for (int64_t e = 2 * int64_t(threadIdx.x); e < d; e += 2 * int64_t(blockDim.x)) {
+    for (int64_t e = e_first; e < d; e += 2 * int64_t(blockDim.x)) {
         float acc0 = 0.0f, acc1 = 0.0f;
         const bool pair = e + 1 < d;
         for (int s0 = 0; s0 < splits; s0 += kBatch) {
-            float v0[kBatch], v1[kBatch];
-#pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-                const float * p = part + (s0 + j) * (d + 2) + 2 + e;
-                v0[j] = s0 + j < splits ? p[0] : 0.0f;
-                v1[j] = s0 + j < splits && pair ? p[1] : 0.0f;
-            }
+            if (e != e_first || s0 != 0) load_batch(e, s0);
 #pragma unroll
             for (int j = 0; j < kBatch; ++j) {
                 if (s0 + j >= splits) break;
@@ -1210,9 +1207,8 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
             }
         }
         float v[2] = {acc0 * inv, acc1 * inv};
-        const int64_t rot0 = d - a.out_n_rot;
         if (a.out_n_rot > 0 && e >= rot0)
-            rope_pair(v, float(a.positions[th / a.heads]), a.out_inv_freq[(e - rot0) / 2], true);
+            rope_pair(v, pos, e == e_first ? inv_freq : a.out_inv_freq[(e - rot0) / 2], true);
         a.out[th * d + e] = v[0];
         if (pair) a.out[th * d + e + 1] = v[1];
     }

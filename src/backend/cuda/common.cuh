@@ -274,6 +274,41 @@ __device__ __forceinline__ int warp_sum(int v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
     return v;
 }
+// One butterfly step over the first N values: lanes with bit o set keep the upper half, the others the lower, each
+// adding its partner's copy of the half it keeps. A template so that every index is a constant (registers).
+template <int N, int S, class T>
+__device__ __forceinline__ void butterfly_half(T (&v)[S], int lane, int o) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+        const T send = upper ? v[i] : v[i + N / 2];
+        const T keep = upper ? v[i + N / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(kFull, send, o);
+    }
+}
+
+// The warp totals of a lane's N values (N a power of two, at most 32), one per lane: returns the total of value
+// lane >> spread_shift<N>() (the lanes in between hold copies of it). Each value's additions pair the same lanes in
+// the same order as warp_sum's, so the totals are warp_sum's bit for bit, for 2N - 2 shuffles instead of 5N (a
+// sublayer boundary sums 24 floats and 10 doubles).
+template <int N>
+constexpr int spread_shift() {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0);
+    return N >= 32 ? 0 : N >= 16 ? 1 : N >= 8 ? 2 : N >= 4 ? 3 : N >= 2 ? 4 : 5;
+}
+template <int N, class T>
+__device__ __forceinline__ T warp_sums_spread(T (&v)[N], int lane) {
+    if constexpr (N >= 2) butterfly_half<N>(v, lane, 16);
+    if constexpr (N >= 4) butterfly_half<N / 2>(v, lane, 8);
+    if constexpr (N >= 8) butterfly_half<N / 4>(v, lane, 4);
+    if constexpr (N >= 16) butterfly_half<N / 8>(v, lane, 2);
+    if constexpr (N >= 32) butterfly_half<N / 16>(v, lane, 1);
+    T s = v[0];
+#pragma unroll
+    for (int o = (1 << spread_shift<N>()) >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+    return s;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
@@ -522,10 +557,15 @@ __device__ __forceinline__ void rope_pair(float * v, float pos, float inv_freq, 
 }
 
 // The trailing n_rot channels of a row in shared memory, by the block's threads; the caller synchronizes after.
+// freq0 is inv_freq[threadIdx.x] (rope_freq0), which the caller reads before its PDL wait: the frequencies are
+// weights, and a load after the row's norm is one more round trip in a decode step's chain.
+__device__ __forceinline__ float rope_freq0(const float * inv_freq, int n_rot) {
+    return int(threadIdx.x) < n_rot / 2 ? inv_freq[threadIdx.x] : 0.0f;
+}
 __device__ __forceinline__ void rope_row_shared(float * row, int64_t width, int n_rot, const float * inv_freq,
-                                                float pos) {
+                                                float freq0, float pos) {
     for (int i = threadIdx.x; i < n_rot / 2; i += blockDim.x)
-        rope_pair(row + (width - n_rot) + 2 * i, pos, inv_freq[i]);
+        rope_pair(row + (width - n_rot) + 2 * i, pos, i == int(threadIdx.x) ? freq0 : inv_freq[i]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

@@ -215,7 +215,10 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     const int64_t t = th / r.heads, h = th % r.heads, width = r.width;
     float g[kNormRegs];
     load_gamma(r.gamma, width, g);
+    const float freq0 = rope_freq0(a.inv_freq, a.n_rot);
     pdl_begin();
+    // The position is read with the row rather than after its norm (one round trip fewer).
+    const int32_t pos = a.positions[t];
     float * xr = r.x + th * width;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
@@ -237,8 +240,7 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
         }
     }
     __syncthreads();
-    const int32_t pos = a.positions[t];
-    rope_row_shared(row, width, a.n_rot, a.inv_freq, float(pos));
+    rope_row_shared(row, width, a.n_rot, a.inv_freq, freq0, float(pos));
     __syncthreads();
     if (r.fp8_dims > 0) fp8_row_shared(row, r.fp8_dims);
     float * ring = r.ring ? r.ring + ((int64_t(pos) % r.ring_rows) * r.heads + h) * width : nullptr;
@@ -912,21 +914,33 @@ __global__ void hc_cluster_kernel(HcArgs a) {
             for (int h = 0; h < 4; ++h) x[h] = a.streams[(t * 4 + h) * W + c];
         }
     }
+    // The warp sums spread over the lanes (each ends up with one row's, lane 0's value in warp_sum): the 24 rows'
+    // and 10 Gram sums as 5 · 34 shuffles each were most of a boundary's instructions.
+    constexpr int kMixSlots = kMix <= 4 ? 4 : kMix <= 8 ? 8 : kMix <= 16 ? 16 : 32, kGramSlots = 16;
+    static_assert(kMix <= kMixSlots && kMixSlots <= 32 && kGram <= kGramSlots);
+    {
+        float p[kMixSlots];
 #pragma unroll
-    for (int r = 0; r < kMix; ++r) {
-        float p = 0.0f;
+        for (int r = 0; r < kMixSlots; ++r) {
+            p[r] = 0.0f;
+            if (r < kMix)
 #pragma unroll
-        for (int h = 0; h < 4; ++h) p += fn[r][h] * x[h];
-        p = warp_sum(p);
-        if (lane == 0) sh.red[warp][r] = p;
-    }
-#pragma unroll
-    for (int h = 0, g = 0; h < 4; ++h)
-#pragma unroll
-        for (int k = h; k < 4; ++k, ++g) {
-            const double v = warp_sum(double(x[h]) * double(x[k]));
-            if (lane == 0) sh.red_g[warp][g] = v;
+                for (int h = 0; h < 4; ++h) p[r] += fn[r][h] * x[h];
         }
+        constexpr int shift = spread_shift<kMixSlots>();
+        const float total = warp_sums_spread(p, lane);
+        if ((lane & ((1 << shift) - 1)) == 0 && (lane >> shift) < kMix) sh.red[warp][lane >> shift] = total;
+        double gv[kGramSlots];
+#pragma unroll
+        for (int h = 0, g = 0; h < 4; ++h)
+#pragma unroll
+            for (int k = h; k < 4; ++k, ++g) gv[g] = double(x[h]) * double(x[k]);
+#pragma unroll
+        for (int g = kGram; g < kGramSlots; ++g) gv[g] = 0.0;
+        constexpr int gshift = spread_shift<kGramSlots>();
+        const double gram = warp_sums_spread(gv, lane);
+        if ((lane & ((1 << gshift) - 1)) == 0 && (lane >> gshift) < kGram) sh.red_g[warp][lane >> gshift] = gram;
+    }
     __syncthreads();
     for (int i = tid; i < kHcClusterBlocks * (kMix + kGram); i += int(blockDim.x)) {
         const int dst = i / (kMix + kGram), r = i % (kMix + kGram);
