@@ -44,8 +44,8 @@ __device__ __forceinline__ Candidate chunk_value(const CompressorArgs & a, int64
 }
 
 // The pooled value of channel c of block b (softmax over the candidates' scores), c < width.
-__device__ float pool_channel(const CompressorArgs & a, int64_t b, int64_t c, int64_t width) {
-    const int64_t R = a.ratio, p0 = a.positions[0];
+__device__ float pool_channel(const CompressorArgs & a, int64_t p0, int64_t b, int64_t c, int64_t width) {
+    const int64_t R = a.ratio;
     const int64_t open0 = a.overlap ? R : 0;
     auto get = [&](int64_t q, int64_t col) -> Candidate {
         if (q >= p0) return chunk_value(a, q, p0, col);
@@ -80,17 +80,17 @@ __device__ float pool_channel(const CompressorArgs & a, int64_t b, int64_t c, in
 // shared memory, then RMSNorm, RoPE at the block's first position b·R, rounding, and the store.
 __global__ void compressor_rows_kernel(const CompressorArgs a) {
     const float freq0 = rope_freq0(a.inv_freq, a.n_rot);
+    const int64_t t = blockIdx.x;
+    const int64_t pos = a.positions[t], p0 = a.positions[0], R = a.ratio;
     pdl_begin();
     extern __shared__ float row[];  // [width]
     __shared__ double red[32];
-    const int64_t t = blockIdx.x;
     const int64_t width = a.overlap ? a.wide / 2 : a.wide;
-    const int64_t pos = a.positions[t], R = a.ratio;
     if (pos % R != R - 1 || pos / R >= a.capacity) return;
     const int64_t b = pos / R;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
-        row[i] = pool_channel(a, b, i, width);
+        row[i] = pool_channel(a, p0, b, i, width);
         ss += double(row[i]) * double(row[i]);
     }
     ss = block_sum(ss, red);
@@ -113,12 +113,12 @@ __global__ void compressor_rows_kernel(const CompressorArgs a) {
 // Advances the frontier: afterwards the open rows hold the open block's tokens (empty slots (0, -inf)) and, with
 // overlap, rows [0, R) the last completed block. One thread per (slot, column) reads and writes only its own cells.
 __global__ void compressor_state_kernel(const CompressorArgs a) {
+    const int64_t p0 = a.positions[0], p_end = a.positions[a.n - 1] + 1;
     pdl_begin();
     const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t R = a.ratio;
     if (i >= R * a.wide) return;
     const int64_t s = i / a.wide, col = i % a.wide;
-    const int64_t p0 = a.positions[0], p_end = a.positions[a.n - 1] + 1;
     const int64_t b_open = p_end / R, b_old = p0 / R;
     const int64_t open0 = a.overlap ? R : 0;
     const int64_t oi = (open0 + s) * a.wide + col;
@@ -440,13 +440,13 @@ __global__ void __launch_bounds__(TOK * WPT * 32, 2) indexer_scores_mma_kernel(c
     constexpr int kThreads = TOK * WPT * 32, kTileKeys = WPT * 32;
     constexpr int kChunks = kIdxFastDim * 2 / 16;  // 16-byte copies a key row
     static_assert(kTileKeys * kChunks % kThreads == 0, "a tile's copies spread evenly over the threads");
-    pdl_begin();
     extern __shared__ __align__(128) uint8_t smem_idx_mma[];
     __nv_bfloat16 * qs = reinterpret_cast<__nv_bfloat16 *>(smem_idx_mma);  // [token · 64 + head][kIdxMmaLd]
     __nv_bfloat16 * ks = qs + TOK * kIdxFastHeads * kIdxMmaLd;             // [stage][key][kIdxMmaLd]
     __shared__ int64_t scored[TOK];  // visible rows of a token that has more than top_k, else 0
     const int64_t t0 = int64_t(gridDim.x - 1 - blockIdx.x) * TOK;
-    if (threadIdx.x < TOK) scored[threadIdx.x] = indexer_scored(a, t0 + threadIdx.x);
+    if (threadIdx.x < TOK) scored[threadIdx.x] = indexer_scored(a, t0 + threadIdx.x);  // positions only
+    pdl_begin();
     __syncthreads();
     int64_t keys = 0;
 #pragma unroll
@@ -933,10 +933,10 @@ __global__ void __launch_bounds__(kTopkThreads) indexer_topk_slices_kernel(const
 // The top_k highest scores of each token's visible rows (ties to the lower row, ascending); with split slices, the
 // top_k of their candidates.
 __global__ void __launch_bounds__(kTopkThreads) indexer_topk_kernel(const IndexerArgs a) {
-    pdl_begin();
-    __shared__ TopkShared s;
     const int64_t t = blockIdx.x;
     const int64_t visible = indexer_visible(a, t);
+    pdl_begin();
+    __shared__ TopkShared s;
     int32_t * sel = a.selected + t * a.top_k;
     if (visible <= a.top_k) {
         for (int64_t j = threadIdx.x; j < a.top_k; j += blockDim.x) sel[j] = j < visible ? int32_t(j) : -1;
@@ -1013,8 +1013,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32, 2) attention_kernel(const Att
     const int d = int(a.dim), chunk = attention_chunk_keys(ld);
     for (int i = threadIdx.x; i < 2 * chunk * (ld - d); i += blockDim.x)
         attn_keys[(i / (ld - d)) * ld + d + i % (ld - d)] = 0.0f;  // the pads, never copied into
-    pdl_begin();
     const KeyList kl = key_list(a, a.positions[t]);
+    pdl_begin();
     const int64_t nk = kl.nw + kl.nc;
     const int64_t j0 = split * per_split, j1 = min(nk, j0 + per_split);
     // Chunk c0.. into buffer b: warp w copies rows w, w + 8, ...; every lane finds the row itself (the selected
@@ -1147,6 +1147,7 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
     const float sink = a.sinks[h];  // a weight: read before the wait
     const int64_t rot0 = d - a.out_n_rot, e_first = 2 * int64_t(threadIdx.x);
     const float inv_freq = a.out_n_rot > 0 && e_first >= rot0 && e_first < d ? a.out_inv_freq[(e_first - rot0) / 2] : 0;
+    const float pos = float(a.positions[th / a.heads]);
     pdl_begin();
     const float * part = a.partial + th * splits * (d + 2);
     // An empty split's numerator was never written: its weight is 0 and it must add nothing, not 0·NaN. The
@@ -1164,7 +1165,6 @@ __global__ void attention_combine_kernel(const AttentionArgs a, int splits) {
         }
     };
     if (e_first < d) load_batch(e_first, 0);
-    const float pos = float(a.positions[th / a.heads]);
     if (threadIdx.x < 32) {
         // A lane's splits (lane, lane + 32) and their maxima and denominators, loaded at once.
         const int lane = threadIdx.x;
@@ -1248,9 +1248,9 @@ __global__ void __launch_bounds__(WARPS * 32) attention_tc_kernel(const Attentio
     float * group_red = reinterpret_cast<float *>(ps + HEADS * kLdP);  // [kGroups][HEADS]
     const float ** key_ptr = reinterpret_cast<const float **>(group_red + kGroups * HEADS);  // [KEYS]
 
-    pdl_begin();
     const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * HEADS;
     const KeyList kl = key_list(a, a.positions[t]);
+    pdl_begin();
     // SPLIT (decode): the token's keys split over gridDim.z blocks, per_split each, whose partials the combine merges.
     const int64_t j_begin = int64_t(blockIdx.z) * per_split;
     const int64_t nk = std::min(kl.nw + kl.nc, j_begin + per_split);

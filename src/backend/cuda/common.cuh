@@ -23,8 +23,10 @@ constexpr unsigned kFull = 0xffffffffu;
 // of the stream is still running (a decode step is ~30 short dependent kernels; this hides most of each launch's
 // latency, and lets a product stream its weights into L2 meanwhile). The rule that keeps this correct: every
 // kernel calls pdl_begin() in every block before it touches any memory another kernel writes or reads (only
-// weights, which no kernel writes, may be read or prefetched before it). pdl_begin() first lets the next kernel
-// launch, then waits until the previous kernel has completed and its writes are visible. Letting the next one
+// weights, which no kernel writes, may be read or prefetched before it, and the chunk's positions and token ids,
+// which only the host writes, by copies that the stream orders before the chunk's first kernel: a position read
+// after the wait is one more round trip in the chain when other loads depend on it). pdl_begin() first lets the next
+// kernel launch, then waits until the previous kernel has completed and its writes are visible. Letting the next one
 // launch before waiting (rather than after) means a chain of kernels can be resident at once as far as their
 // blocks fit, each waiting for the one before: a product's blocks start prefetching their weights while two or
 // three small kernels before it still run (session 18: -1.9 % a layer at 2K, -1.4 % at 32K). It also means that

@@ -216,9 +216,8 @@ __global__ void norm_rope_kernel(NormRopeArgs a) {
     float g[kNormRegs];
     load_gamma(r.gamma, width, g);
     const float freq0 = rope_freq0(a.inv_freq, a.n_rot);
-    pdl_begin();
-    // The position is read with the row rather than after its norm (one round trip fewer).
     const int32_t pos = a.positions[t];
+    pdl_begin();
     float * xr = r.x + th * width;
     double ss = 0;
     for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
@@ -1216,8 +1215,10 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
     const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
     float * p = sm_router + warp * 2 * n_expert;
     float * score = p + n_expert;
-    // The bias (a weight) waits in score before the previous kernel ends: one round trip fewer after it.
+    // The bias (a weight) waits in score before the previous kernel ends: one round trip fewer after it. So does a
+    // hash layer's choice (the token, written by the host, and the table, a weight): two round trips fewer.
     for (int e = lane; e < n_expert; e += 32) score[e] = bias ? bias[e] : 0.0f;
+    const int hashed = tid2eid && t < n && lane < k ? tid2eid[int64_t(tokens[t]) * k + lane] : 0;
     pdl_begin();
     if (t >= n) return;
     const float * lt = logits + t * n_expert;
@@ -1239,7 +1240,7 @@ __global__ void router_kernel(const float * logits, const float * bias, const in
     // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of what this warp just stored.
     int mine = 0;
     if (tid2eid) {
-        if (lane < k) mine = tid2eid[int64_t(tokens[t]) * k + lane];
+        mine = hashed;
     } else {
         // k rounds of arg-max: highest score, ties to the lower id (the CPU's partial_sort order).
         for (int j = 0; j < k; ++j) {
