@@ -289,17 +289,14 @@ __device__ __forceinline__ void butterfly_half(T (&v)[S], int lane, int o) {
     }
 }
 
-// The warp totals of a lane's N values (N a power of two, at most 32), one per lane: returns the total of value
-// lane >> spread_shift<N>() (the lanes in between hold copies of it). Each value's additions pair the same lanes in
-// the same order as warp_sum's, so the totals are warp_sum's bit for bit, for 2N - 2 shuffles instead of 5N (a
-// sublayer boundary sums 24 floats and 10 doubles).
-template <int N>
-constexpr int spread_shift() {
-    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0);
-    return N >= 32 ? 0 : N >= 16 ? 1 : N >= 8 ? 2 : N >= 4 ? 3 : N >= 2 ? 4 : 5;
-}
+// The warp totals of a lane's N values (N a power of two, at most 32) written to out[0, rows), rows <= N: a
+// transposing butterfly leaves lane l with the total of value l >> (5 - log2 N), and the first lane holding each
+// total stores it. Each value's additions pair the same lanes in the same order as warp_sum's, so the totals are
+// warp_sum's bit for bit, for 2N - 2 shuffles instead of 5N (a sublayer boundary sums 24 floats and 10 doubles).
 template <int N, class T>
-__device__ __forceinline__ T warp_sums_spread(T (&v)[N], int lane) {
+__device__ __forceinline__ void warp_sums_to(T (&v)[N], int rows, T * out, int lane) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0);
+    constexpr int shift = N >= 32 ? 0 : N >= 16 ? 1 : N >= 8 ? 2 : N >= 4 ? 3 : N >= 2 ? 4 : 5;
     if constexpr (N >= 2) butterfly_half<N>(v, lane, 16);
     if constexpr (N >= 4) butterfly_half<N / 2>(v, lane, 8);
     if constexpr (N >= 8) butterfly_half<N / 4>(v, lane, 4);
@@ -307,8 +304,8 @@ __device__ __forceinline__ T warp_sums_spread(T (&v)[N], int lane) {
     if constexpr (N >= 32) butterfly_half<N / 16>(v, lane, 1);
     T s = v[0];
 #pragma unroll
-    for (int o = (1 << spread_shift<N>()) >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-    return s;
+    for (int o = (1 << shift) >> 1; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+    if ((lane & ((1 << shift) - 1)) == 0 && (lane >> shift) < rows) out[lane >> shift] = s;
 }
 
 __device__ __forceinline__ float warp_max(float v) {

@@ -913,33 +913,27 @@ __global__ void hc_cluster_kernel(HcArgs a) {
             for (int h = 0; h < 4; ++h) x[h] = a.streams[(t * 4 + h) * W + c];
         }
     }
-    // The warp sums spread over the lanes (each ends up with one row's, lane 0's value in warp_sum): the 24 rows'
-    // and 10 Gram sums as 5 · 34 shuffles each were most of a boundary's instructions.
+    // The warp sums spread over the lanes (each row's total stored by one lane, lane 0's value in warp_sum): the 24
+    // rows' and 10 Gram sums as 5 · 34 shuffles each were most of a boundary's instructions.
     constexpr int kMixSlots = kMix <= 4 ? 4 : kMix <= 8 ? 8 : kMix <= 16 ? 16 : 32, kGramSlots = 16;
-    static_assert(kMix <= kMixSlots && kMixSlots <= 32 && kGram <= kGramSlots);
-    {
-        float p[kMixSlots];
+    static_assert(kMix <= kMixSlots && kGram <= kGramSlots);
+    float p[kMixSlots];
 #pragma unroll
-        for (int r = 0; r < kMixSlots; ++r) {
-            p[r] = 0.0f;
-            if (r < kMix)
+    for (int r = 0; r < kMixSlots; ++r) {
+        p[r] = 0.0f;
+        if (r < kMix)
 #pragma unroll
-                for (int h = 0; h < 4; ++h) p[r] += fn[r][h] * x[h];
-        }
-        constexpr int shift = spread_shift<kMixSlots>();
-        const float total = warp_sums_spread(p, lane);
-        if ((lane & ((1 << shift) - 1)) == 0 && (lane >> shift) < kMix) sh.red[warp][lane >> shift] = total;
-        double gv[kGramSlots];
-#pragma unroll
-        for (int h = 0, g = 0; h < 4; ++h)
-#pragma unroll
-            for (int k = h; k < 4; ++k, ++g) gv[g] = double(x[h]) * double(x[k]);
-#pragma unroll
-        for (int g = kGram; g < kGramSlots; ++g) gv[g] = 0.0;
-        constexpr int gshift = spread_shift<kGramSlots>();
-        const double gram = warp_sums_spread(gv, lane);
-        if ((lane & ((1 << gshift) - 1)) == 0 && (lane >> gshift) < kGram) sh.red_g[warp][lane >> gshift] = gram;
+            for (int h = 0; h < 4; ++h) p[r] += fn[r][h] * x[h];
     }
+    warp_sums_to(p, kMix, sh.red[warp], lane);
+    double gv[kGramSlots];
+#pragma unroll
+    for (int h = 0, g = 0; h < 4; ++h)
+#pragma unroll
+        for (int k = h; k < 4; ++k, ++g) gv[g] = double(x[h]) * double(x[k]);
+#pragma unroll
+    for (int g = kGram; g < kGramSlots; ++g) gv[g] = 0.0;
+    warp_sums_to(gv, kGram, sh.red_g[warp], lane);
     __syncthreads();
     for (int i = tid; i < kHcClusterBlocks * (kMix + kGram); i += int(blockDim.x)) {
         const int dst = i / (kMix + kGram), r = i % (kMix + kGram);
