@@ -153,6 +153,16 @@ class Backend {
     // decode): inputs change only through write() before the call and results leave only through read() after.
     virtual void run_captured(uint64_t key, const std::function<void()> & ops) { ops(); }
 
+    // A branch: ops issued between begin_branch and end_branch that read only what was written before
+    // begin_branch or inside the branch, while the ops issued after end_branch and before join_branch neither read
+    // what the branch writes nor write what it reads. A device backend may run the branch beside those ops (the
+    // CUDA backend does for steps of few tokens, where the ops' latency leaves the GPU idle); every op after
+    // join_branch sees the branch's results. n_tokens: the step's tokens. One branch at a time; in-order backends
+    // need do nothing.
+    virtual void begin_branch(int64_t /*n_tokens*/) {}
+    virtual void end_branch() {}
+    virtual void join_branch() {}
+
     // ---- dense ops -------------------------------------------------------------------------------------------
     // out[t] = table[ids[t]] as F32. table [width, n_rows] of any weight type; ids I32 [n]; out F32 [n, width].
     virtual void get_rows(const Tensor & table, const Tensor & ids, const Tensor & out) = 0;

@@ -469,13 +469,37 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     // Query: the low-rank vector normed (the indexer reuses it), expanded to H heads, each head RMS-normed and
     // rotated; the indexer's queries come from the same normed vector, unnormalised, rotated likewise.
     b.rms_norm(cq, L.q_a_norm, cq, c.norm_eps);
-    Tensor q = first(w.q, n), iq;
-    std::vector<MatmulTarget> qproj = {{L.q_b, reshape(q, c.q_dim(), n)}};
+    Tensor q = first(w.q, n);
+    const int64_t bound = context_bound(pos0 + n);
+    const int64_t b0 = compressed ? pos0 / R : 0;
+    const int64_t m = compressed ? (pos0 + n) / R - b0 : 0;  // rows completed by this chunk (traces only)
+    CompressedRows comp;
+
+    // A CSA layer's indexer picks the compressed rows each token attends to: its own compressor, query product and
+    // scores, needed only by the attention. After its query's product, the rest may run as a branch beside the
+    // query's product and norm: a decode step's indexer is a chain of small latency-bound kernels, long enough to
+    // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable).
+    Tensor sel;
+    const bool branch = csa && bound >= indexer_branch_context_;
     if (csa) {
-        iq = first(w.idx_q, n);
-        qproj.push_back({L.idx_q_b, reshape(iq, HI * dI, n)});
+        Tensor iq = first(w.idx_q, n);
+        b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
+        if (branch) b.begin_branch(n);
+        const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
+                                          official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
+        b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos, R, true, ifinish, S.idx_keys);
+        b.rope(iq, rope, pos, false);
+        if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
+        if (c.indexer_top_k > 0) {
+            sel = first(w.selected, n);
+            // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
+            b.indexer_select(iq, iw, visible_rows(S.idx_keys, bound, R), pos, R,
+                             1.0f / std::sqrt(float(dI) * float(HI)), sel);
+        }
+        if (branch) b.end_branch();
     }
-    b.matmul_many(cq, qproj);
+
+    b.matmul(L.q_b, cq, reshape(q, c.q_dim(), n));
     // The query heads (no weight), and the one K=V row per token: normed, rotated like the queries, FP8-rounded
     // in the official numerics, and written into the raw ring before attending so that a token sees itself and
     // the earlier tokens of its chunk.
@@ -483,36 +507,23 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
                                     {reshape(kv, d, 1, n), L.kv_norm, official ? d - c.n_rot : 0, S.raw}};
     b.norm_rope(heads, c.norm_eps, rope, pos);
 
-    CompressedRows comp;
     if (compressed) {
-        const int64_t b0 = pos0 / R;
-        const int64_t m = (pos0 + n) / R - b0;  // rows completed by this chunk (traces only)
         // A compressed row is normed and rotated at its block's first position b·R, then rounded.
         const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope,
                                          official ? RowRounding::fp8 : RowRounding::none, d - c.n_rot};
         b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, csa, finish, S.comp);
-        if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
-        const int64_t bound = context_bound(pos0 + n);
         comp.rows = visible_rows(S.comp, bound, R);
         comp.ratio = R;
-
-        if (csa) {
-            const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
-                                              official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
-            b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos, R, true, ifinish, S.idx_keys);
-            if (m > 0) trace("indexer_kv", il, row_view(S.idx_keys, b0, m));
-            b.rope(iq, rope, pos, false);
-            if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
-            if (c.indexer_top_k == 0) {
-                comp.rows = Tensor{};  // no compressed row is ever selected
-            } else {
-                Tensor sel = first(w.selected, n);
-                // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
-                b.indexer_select(iq, iw, visible_rows(S.idx_keys, bound, R), pos, R,
-                                 1.0f / std::sqrt(float(dI) * float(HI)), sel);
-                comp.selected = sel;
-                trace("indexer_topk", il, sel);
-            }
+    }
+    if (branch) b.join_branch();
+    if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
+    if (csa) {
+        if (m > 0) trace("indexer_kv", il, row_view(S.idx_keys, b0, m));
+        if (c.indexer_top_k == 0) {
+            comp.rows = Tensor{};  // no compressed row is ever selected
+        } else {
+            comp.selected = sel;
+            trace("indexer_topk", il, sel);
         }
     }
 

@@ -432,6 +432,38 @@ TEST(Ops, MatmulMany) {
     }
 }
 
+// A branch (Backend::begin_branch) beside the main chain, eagerly, captured and replayed: a chain of 64 in-place adds
+// and a product on the branch, a product on the main stream after end_branch, and an add after join_branch that reads
+// both of the branch's outputs. The branch's chain takes far longer than the main stream's product, so a join that
+// did not wait would read a partial sum; the two products quantize their inputs at once, each in its own arena.
+TEST(Ops, BranchJoinsBeforeItsResultsAreRead) {
+    Store s;
+    const int64_t len = 1 << 20, k = 4096, rows = 4096;
+    const std::vector<float> start = randn(size_t(len), 100.0f);
+    const Both acc = s.values(start, len), one = s.values(std::vector<float>(size_t(len), 1.0f), len);
+    const Both x1 = s.values(randn(size_t(k)), k), x2 = s.values(randn(size_t(k)), k);
+    const Both w1 = s.weight(GgmlType::Q8_0, k, rows), w2 = s.weight(GgmlType::Q8_0, k, 2 * rows);
+    const Both y1 = s.out(GgmlType::F32, rows), y2 = s.out(GgmlType::F32, 2 * rows), sum = s.out(GgmlType::F32, rows);
+    const auto step = [&](Backend & b, Tensor Both::*side) {
+        b.begin_branch(1);
+        for (int i = 0; i < 64; ++i) b.add(acc.*side, one.*side, acc.*side);
+        b.matmul(w1.*side, x1.*side, y1.*side);
+        b.end_branch();
+        b.matmul(w2.*side, x2.*side, y2.*side);
+        b.join_branch();
+        b.add(make_tensor(GgmlType::F32, (acc.*side).data, rows), y1.*side, sum.*side);
+    };
+    for (const char * run : {"eager", "captured", "replayed"}) {
+        Store::set(acc, start.data(), start.size() * 4);
+        gpu().run_captured(0xb7a2c4, [&] { step(gpu(), &Both::g); });
+        step(cpu(), &Both::c);
+        compare(std::string("branch: 64 adds (") + run + ")", acc, 0.0);
+        compare(std::string("branch: Q8_0 product (") + run + ")", y1, 1e-4);
+        compare(std::string("main: Q8_0 product beside it (") + run + ")", y2, 1e-4);
+        compare(std::string("after the join: sum of both branch outputs (") + run + ")", sum, 1e-6);
+    }
+}
+
 // The shared expert's down projection with its activation and the routed sum fused (Q8_0 in the quantized files,
 // float types in the others; one token quantizes in the block, several through the activation rows).
 TEST(Ops, SwigluMatmulAdd) {

@@ -72,6 +72,9 @@ constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
 // (16 experts' gate and up of V4 Flash each).
 constexpr int64_t kMoeCublasMinPairs = 256;
 constexpr int64_t kMoeCublasWeightBytes = int64_t(512) << 20;
+// Steps of up to this many tokens run a model's branches (Backend::begin_branch) beside the main chain: decode, where
+// the chain's small kernels leave most of the GPU idle. Larger steps fill it by themselves.
+constexpr int64_t kBranchMaxTokens = 8;
 // A switch of the environment: "0" is off, anything else on, unset the default.
 bool env_switch(const char * name, bool default_on) {
     const char * e = std::getenv(name);
@@ -127,6 +130,15 @@ class CudaBackend final : public Backend {
         check(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate(side)");
         check(cudaEventCreateWithFlags(&side_fork_, cudaEventDisableTiming), "cudaEventCreate(side)");
         check(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming), "cudaEventCreate(side)");
+        // The branch's kernels take precedence: when a product's blocks fill the machine, the multiprocessors they
+        // free go to the branch's chain first (at the default priority the 8-layer decode step at 32K was 9 µs
+        // slower: docs/cuda.md, "Session 40").
+        int least = 0, greatest = 0;
+        check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+        check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate(branch)");
+        check(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming), "cudaEventCreate(branch)");
+        check(cudaEventCreateWithFlags(&branch_done_, cudaEventDisableTiming), "cudaEventCreate(branch)");
+        branches_enabled_ = env_switch("DSV4_CUDA_BRANCH", true);
         for (int i = 0; i < 2; ++i) {
             check(cudaEventCreateWithFlags(&moe_decoded_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
             check(cudaEventCreateWithFlags(&moe_read_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
@@ -177,17 +189,21 @@ class CudaBackend final : public Backend {
         if (io_pinned_) cudaFreeHost(io_pinned_);
         for (cudaEvent_t e : io_done_)
             if (e) cudaEventDestroy(e);
-        if (scratch_) cudaFree(scratch_);
+        for (Arena & a : arenas_)
+            if (a.data) cudaFree(a.data);
         if (cublas_) cublasDestroy(cublas_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
         cudaEventDestroy(side_fork_);
         cudaEventDestroy(side_done_);
+        cudaEventDestroy(branch_fork_);
+        cudaEventDestroy(branch_done_);
         for (int i = 0; i < 2; ++i) {
             cudaEventDestroy(moe_decoded_[i]);
             cudaEventDestroy(moe_read_[i]);
         }
         cudaStreamDestroy(side_);
+        cudaStreamDestroy(branch_);
         cudaStreamDestroy(stream_);
         if (uploaded_ > 0)
             log_info("cuda: uploaded {:.2f} GB of weights in {:.1f} s ({:.2f} GB/s)", double(uploaded_) / 1e9,
@@ -334,7 +350,8 @@ class CudaBackend final : public Backend {
             capturing_ = false;
             check(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture");
             cudaGraphExec_t exec = nullptr;
-            const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+            // The branch's launches carry their stream's priority (cuda::launch); a graph ignores it without this flag.
+            const cudaError_t e = cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
             cudaGraphDestroy(graph);
             check(e, "cudaGraphInstantiate");
             it = graphs_.find(key);  // ops() may have dropped the graphs (buffers freed); re-insert
@@ -342,6 +359,33 @@ class CudaBackend final : public Backend {
             it->second = exec;
         }
         check(cudaGraphLaunch(it->second, stream_), "cudaGraphLaunch");
+    }
+
+    // Steps of up to kBranchMaxTokens tokens run a branch on branch_, a stream of the highest priority, forked from
+    // stream_ and joined back by an event; stream_ names the branch's stream while its ops are issued, so every op
+    // launches where it is issued, and takes the branch's own scratch arena there. DSV4_CUDA_BRANCH=0 runs branches
+    // in order.
+    void begin_branch(int64_t n_tokens) override {
+        DSV4_CHECK(!in_branch_ && origin_ == nullptr, "cuda: a branch began inside another");
+        in_branch_ = true;
+        if (!branches_enabled_ || n_tokens > kBranchMaxTokens) return;
+        check(cudaEventRecord(branch_fork_, stream_), "cudaEventRecord(branch)");
+        check(cudaStreamWaitEvent(branch_, branch_fork_), "cudaStreamWaitEvent(branch)");
+        origin_ = stream_;
+        stream_ = branch_;
+    }
+    void end_branch() override {
+        DSV4_CHECK(in_branch_, "cuda: end_branch without begin_branch");
+        in_branch_ = false;
+        if (!origin_) return;
+        check(cudaEventRecord(branch_done_, branch_), "cudaEventRecord(branch)");
+        stream_ = origin_;
+        origin_ = nullptr;
+        branch_pending_ = true;
+    }
+    void join_branch() override {
+        DSV4_CHECK(!in_branch_, "cuda: join_branch inside a branch");
+        join_branch_pending();
     }
 
     // ---- dense ops -------------------------------------------------------------------------------------------
@@ -1052,7 +1096,15 @@ class CudaBackend final : public Backend {
         side_pending_ = true;
         side_comb_ = a.comb;
     }
+    void join_branch_pending() {
+        if (!branch_pending_) return;
+        check(cudaStreamWaitEvent(stream_, branch_done_), "cudaStreamWaitEvent(branch)");
+        branch_pending_ = false;
+    }
+    // Every stream's work joined into stream_ (the branch's and the Sinkhorns' of side_).
     void join_side() {
+        DSV4_CHECK(!in_branch_, "cuda: a step that synchronises, reads or writes inside a branch");
+        join_branch_pending();
         if (!side_pending_) return;
         check(cudaStreamWaitEvent(stream_, side_done_), "cudaStreamWaitEvent(side)");
         side_pending_ = false;
@@ -1258,23 +1310,24 @@ class CudaBackend final : public Backend {
         return a;
     }
 
-    // One arena for every op's temporaries (ops run in stream order, so each reuses it from the start). It only
-    // grows, outside captures: the first run of a captured sequence is eager and sizes it.
+    // An arena for every op's temporaries (ops run in stream order, so each reuses it from the start), and one for
+    // a branch's ops, which run beside them. It only grows, outside captures: the first run of a captured sequence
+    // is eager and sizes it.
     void * scratch(size_t bytes) {
+        Arena & a = arenas_[stream_ == branch_ ? 1 : 0];
         bytes = std::max<size_t>(bytes, 256);
-        if (bytes <= scratch_size_) return scratch_;
+        if (bytes <= a.size) return a.data;
         DSV4_CHECK(!capturing_, "cuda: scratch arena would grow inside a captured sequence ({} bytes)", bytes);
         check(cudaStreamSynchronize(stream_), "synchronize (scratch)");
         drop_graphs();
-        if (scratch_) cudaFree(scratch_);
-        held(-int64_t(scratch_size_));
-        scratch_ = nullptr;
-        scratch_size_ = 0;
+        if (a.data) cudaFree(a.data);
+        held(-int64_t(a.size));
+        a = Arena{};
         const size_t want = bytes + bytes / 4;
-        check(cudaMalloc(&scratch_, want), "cudaMalloc(scratch)");
-        scratch_size_ = want;
+        check(cudaMalloc(&a.data, want), "cudaMalloc(scratch)");
+        a.size = want;
         held(int64_t(want));
-        return scratch_;
+        return a.data;
     }
 
     // A chunk of a weight from the mapped file into pinned staging, by several threads: from the page cache (a
@@ -1338,8 +1391,17 @@ class CudaBackend final : public Backend {
     cuda::Iq2Tables * iq2_ = nullptr;
     // [kHcRowsTokens + 1]: hc_mix's rows kernel counts its blocks per token here; the last is sinkhorns_
     unsigned * hc_done_ = nullptr;
-    void * scratch_ = nullptr;
-    size_t scratch_size_ = 0;
+    struct Arena {
+        void * data = nullptr;
+        size_t size = 0;
+    };
+    Arena arenas_[2];                // scratch(): stream_'s ops, a branch's ops
+    cudaStream_t branch_ = nullptr;  // begin_branch .. end_branch's ops, beside stream_ (highest priority)
+    cudaEvent_t branch_fork_ = nullptr, branch_done_ = nullptr;
+    cudaStream_t origin_ = nullptr;  // stream_ while a branch's ops are issued on branch_
+    bool in_branch_ = false;         // between begin_branch and end_branch
+    bool branch_pending_ = false;    // branch_ has work stream_ has not joined
+    bool branches_enabled_ = true;
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;
@@ -1475,8 +1537,14 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t idx = rows > 0 ? indexer_op_scratch(std::max<int64_t>(s.n_ubatch, 1), int64_t(rows), 1) : 0;
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
     const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
-    // The arena holds one op's scratch at a time; the upload staging stays allocated beside it.
-    return std::max({moe, moe_cublas, idx, attn, dense}) + 2 * kStageBytes;
+    // A branch's arena (decode steps): the indexer's scratch and its query product's activation codes (its input,
+    // the low-rank query, is narrower than the embedding).
+    const int64_t branch_tokens = std::min(std::max<int64_t>(s.n_ubatch, 1), kBranchMaxTokens);
+    const uint64_t branch =
+        rows > 0 ? indexer_op_scratch(branch_tokens, int64_t(rows), 1) + uint64_t(branch_tokens * s.n_embd) * 2 + 4096
+                 : 0;
+    // The arena holds one op's scratch at a time; the branch's arena and the upload staging stay allocated beside it.
+    return std::max({moe, moe_cublas, idx, attn, dense}) + branch + 2 * kStageBytes;
 }
 
 }  // namespace dsv4

@@ -91,13 +91,19 @@ void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, di
                     Args &&... args) {
     if (launch_skipped(reinterpret_cast<const void *>(kernel))) return;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    cudaLaunchAttribute attr[2] = {};
+    cudaLaunchAttribute attr[3] = {};
     unsigned n = 0;
     if (pdl_enabled()) {
         attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[n++].val.programmaticStreamSerializationAllowed = 1;
     }
     if (cluster_x > 1) attr[n++] = cluster_dim_attr(cluster_x);
+    // A launch on a stream of raised priority (the CUDA backend's branches) keeps it in a captured graph.
+    int priority = 0;
+    if (cudaStreamGetPriority(s, &priority) == cudaSuccess && priority != 0) {
+        attr[n].id = cudaLaunchAttributePriority;
+        attr[n++].val.priority = priority;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
