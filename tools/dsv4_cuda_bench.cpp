@@ -12,6 +12,7 @@
 #include "util/timer.h"
 
 #include <dlfcn.h>
+#include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -53,12 +54,13 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
 }
 
 int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              int64_t n_warmup, int64_t n_ctx, bool layer_checks, Numerics numerics,
+              int64_t n_warmup, int64_t n_ctx, int64_t indexer_branch, bool layer_checks, Numerics numerics,
               const CudaBackendOptions & options) {
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
     Model model(file, *backend, n_ubatch, numerics);
+    model.set_indexer_branch_context(indexer_branch);
     backend->synchronize();
     const ModelConfig & c = model.config();
     double file_bytes = 0;
@@ -293,7 +295,7 @@ std::vector<int64_t> parse_list(const std::string & s) {
 
 int main(int argc, char ** argv) {
     std::string model, depths = "1,2048", numerics_arg = "official";
-    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0, n_ctx = 0;
+    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0, n_ctx = 0, indexer_branch = Model::kIndexerBranchContext;
     int gpu = 0;
     bool kernels = false, profile = false, no_tensor_cores = false, layer_checks = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
@@ -304,6 +306,10 @@ int main(int argc, char ** argv) {
     app.add_option("--warmup", n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
     app.add_option("--ctx", n_ctx, "tokens the decoded state holds (default: the depth and the decoded tokens)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
+    app.add_option("--indexer-branch", indexer_branch,
+                   fmt::format("context bound from which a CSA layer's indexer runs beside the query's product "
+                               "(default {}, the forward pass's)",
+                               Model::kIndexerBranchContext));
     app.add_flag("--layer-checks", layer_checks,
                  "time the prefill with a progress function, as the server runs it (long chunks wait between layers)");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
@@ -327,8 +333,8 @@ int main(int argc, char ** argv) {
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
         DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, n_ctx, layer_checks, numerics,
-                         options);
+        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, n_ctx, indexer_branch, layer_checks,
+                         numerics, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;

@@ -76,11 +76,11 @@ class Model {
     // (docs/cuda.md, "Session 28"). A shorter chunk runs whole: under 0.3 s on the H200 for the real model.
     static constexpr int64_t kLayerCheckTokens = 512;
     // A CSA layer's indexer runs as a branch beside the query's product (Backend::begin_branch) once the context
-    // bound reaches this many tokens (tests lower it). On the H200 the branch saved 11-44 µs an 8-layer step at 32K
-    // and cost 8 µs on average at 2K, where the indexer's chain is short and q_b streams slower beside it
-    // (docs/cuda.md, "Session 40"); between 4K and 32K it was not measured.
+    // bound reaches this many tokens (tests lower it). On the H200 the branch saved 13-31 µs an 8-layer step at
+    // bounds of 8K to 32K (contexts from 4097 tokens); at the smallest bound, 4K, it was ahead in one call and behind
+    // in another: the indexer's chain is short there and q_b streams slower beside it (docs/cuda.md, "Session 41").
     void set_indexer_branch_context(int64_t n) { indexer_branch_context_ = n; }
-    static constexpr int64_t kIndexerBranchContext = 16384;
+    static constexpr int64_t kIndexerBranchContext = 8192;
 
     // Evaluates `tokens` at positions state.n_past() onward and advances the state. logits (host memory; may be
     // null) gets n_vocab floats (mode last) or tokens.size()·n_vocab (mode all); the last token's row also stays in

@@ -35,11 +35,18 @@ export const opts = (() => {
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-// A fresh folder under the work dir.
+// A fresh folder under the work dir, named for this process too: two runs of one test file on the same build tree
+// (a `ctest -R` beside a full run) would otherwise share a KV cache folder, and one run's snapshots, whose names
+// hash their text, would be found by the other's servers. The folders of a run that passes are removed at exit.
+const workDirs = [];
+process.on("exit", (code) => {
+  if (code === 0) for (const d of workDirs) rmSync(d, { recursive: true, force: true });
+});
 export function workDir(name) {
-  const dir = join(opts.work, name);
+  const dir = join(opts.work, `${name}.${process.pid}`);
   rmSync(dir, { recursive: true, force: true });
   mkdirSync(dir, { recursive: true });
+  workDirs.push(dir);
   return dir;
 }
 

@@ -157,7 +157,8 @@ describe("shutdown and the disk KV cache", () => {
         reasoning_effort: "none",
       });
       // The whole first exchange comes back from disk.
-      assert.equal(r2.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens + r1.usage.completion_tokens);
+      assert.equal(r2.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens + r1.usage.completion_tokens,
+                   `first server:\n${a.log()}\nsecond server:\n${b.log()}`);
       const m = await metrics(b);
       assert.equal(m['dsv4_cache_hits_total{source="disk"}'], 1);
     } finally {
@@ -188,7 +189,8 @@ describe("shutdown and the disk KV cache", () => {
       });
       assert.equal(r.usage.prompt_tokens_details.cached_tokens, 0);
       assert.match(b.log(), /is corrupt .* deleting it/);
-      assert.equal((await metrics(b)).dsv4_kv_disk_rejected_total, files.length);
+      assert.equal((await metrics(b)).dsv4_kv_disk_rejected_total, files.length,
+                   `files ${files.join(" ")}\nfirst server:\n${a.log()}\nsecond server:\n${b.log()}`);
     } finally {
       assert.equal((await b.stop()).code, 0);
     }
