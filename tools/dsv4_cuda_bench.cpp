@@ -1,6 +1,6 @@
 // dsv4-cuda-bench: speed of the CUDA backend (docs/cuda.md).
 //   dsv4-cuda-bench MODEL [--depth 2048,32768] [--decode 64] [--ubatch 2048] [--warmup N] [--layer-checks]
-//                         [--ctx N]                                            prefill to each depth, then decode
+//                         [--ctx N] [--indexer-branch B]                       prefill to each depth, then decode
 //   dsv4-cuda-bench --kernels                                                  single ops at V4 Flash shapes
 // Decode timings include the per-token host work of the engine's path: Model::eval (the token's and position's
 // writes, the graph's launch) and the greedy token from the device's candidates (Model::logit_candidates).
