@@ -53,26 +53,36 @@ double weight_bytes_per_token(const GgufFile & file, const ModelConfig & c) {
     return b;
 }
 
-int run_model(const std::string & path, const std::vector<int64_t> & depths, int64_t n_decode, int64_t n_ubatch,
-              int64_t n_warmup, int64_t n_ctx, int64_t indexer_branch, bool layer_checks, Numerics numerics,
-              const CudaBackendOptions & options) {
+// What a model run measures (the command line's options; main documents each).
+struct ModelRun {
+    std::string path;
+    std::vector<int64_t> depths;
+    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0, n_ctx = 0;
+    int64_t indexer_branch = Model::kIndexerBranchContext;
+    bool layer_checks = false;
+    Numerics numerics = Numerics::official;
+};
+
+int run_model(const ModelRun & run, const CudaBackendOptions & options) {
+    const std::string & path = run.path;
+    const int64_t n_decode = run.n_decode, n_ubatch = run.n_ubatch, n_warmup = run.n_warmup, n_ctx = run.n_ctx;
     Timer load;
     const GgufFile file = GgufFile::open(path);
     auto backend = make_cuda_backend(options);
-    Model model(file, *backend, n_ubatch, numerics);
-    model.set_indexer_branch_context(indexer_branch);
+    Model model(file, *backend, n_ubatch, run.numerics);
+    model.set_indexer_branch_context(run.indexer_branch);
     backend->synchronize();
     const ModelConfig & c = model.config();
     double file_bytes = 0;
     for (const GgufTensorInfo & t : file.tensors()) file_bytes += double(t.n_bytes);
     std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s), %s numerics\n", path.c_str(),
                 backend->name().c_str(), c.n_layer, file_bytes / 1e9, load.seconds(), file_bytes / 1e9 / load.seconds(),
-                numerics_name(numerics));
+                numerics_name(run.numerics));
     const double wb = weight_bytes_per_token(file, c);
     std::printf("weights read per decoded token: %.3f GB (roofline %.1f us at %.1f TB/s)\n", wb / 1e9,
                 wb / kRooflineBytesPerSecond * 1e6, kRooflineBytesPerSecond / 1e12);
     std::mt19937 rng(7);
-    for (int64_t depth : depths) {
+    for (int64_t depth : run.depths) {
         // The state holds the depth and the decoded tokens, or --ctx tokens (a server's session holds its whole
         // context whatever the conversation's length).
         auto state = model.new_state(std::max(depth + n_decode + 4, n_ctx));
@@ -90,7 +100,7 @@ int run_model(const std::string & path, const std::vector<int64_t> & depths, int
         // stop between layers (each layer then waits for the one before).
         const std::function<bool(int64_t)> keep_going = [](int64_t) { return true; };
         Timer pf;
-        model.eval(*state, prompt, LogitsMode::last, nullptr, layer_checks ? keep_going : nullptr);
+        model.eval(*state, prompt, LogitsMode::last, nullptr, run.layer_checks ? keep_going : nullptr);
         const double pf_s = pf.seconds();
         // Two warm-up steps (the first runs eagerly, the second captures the graph), then timed greedy steps that
         // take their token as the engine's sampler does: from the device's candidates (their argmax), not from
@@ -294,23 +304,23 @@ std::vector<int64_t> parse_list(const std::string & s) {
 }  // namespace
 
 int main(int argc, char ** argv) {
-    std::string model, depths = "1,2048", numerics_arg = "official";
-    int64_t n_decode = 32, n_ubatch = 2048, n_warmup = 0, n_ctx = 0, indexer_branch = Model::kIndexerBranchContext;
+    ModelRun run;
+    std::string depths = "1,2048", numerics_arg = "official";
     int gpu = 0;
-    bool kernels = false, profile = false, no_tensor_cores = false, layer_checks = false;
+    bool kernels = false, profile = false, no_tensor_cores = false;
     CLI::App app{"dsv4-cuda-bench: CUDA backend speed"};
-    app.add_option("model", model, "GGUF model (synthetic: dsv4-synth)");
+    app.add_option("model", run.path, "GGUF model (synthetic: dsv4-synth)");
     app.add_option("--depth", depths, "comma-separated prompt lengths to decode after (default 1,2048)");
-    app.add_option("--decode", n_decode, "decode steps timed at each depth (default 32)");
-    app.add_option("--ubatch", n_ubatch, "prefill chunk (default 2048)");
-    app.add_option("--warmup", n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
-    app.add_option("--ctx", n_ctx, "tokens the decoded state holds (default: the depth and the decoded tokens)");
+    app.add_option("--decode", run.n_decode, "decode steps timed at each depth (default 32)");
+    app.add_option("--ubatch", run.n_ubatch, "prefill chunk (default 2048)");
+    app.add_option("--warmup", run.n_warmup, "tokens of the untimed first prefill at each depth (default: the depth)");
+    app.add_option("--ctx", run.n_ctx, "tokens the decoded state holds (default: the depth and the decoded tokens)");
     app.add_option("--gpu", gpu, "CUDA device (default 0)");
-    app.add_option("--indexer-branch", indexer_branch,
+    app.add_option("--indexer-branch", run.indexer_branch,
                    fmt::format("context bound from which a CSA layer's indexer runs beside the query's product "
                                "(default {}, the forward pass's)",
                                Model::kIndexerBranchContext));
-    app.add_flag("--layer-checks", layer_checks,
+    app.add_flag("--layer-checks", run.layer_checks,
                  "time the prefill with a progress function, as the server runs it (long chunks wait between layers)");
     app.add_flag("--kernels", kernels, "time single ops at V4 Flash shapes (no model)");
     app.add_flag("--profile", profile, "time every op (eager launches; totals print at exit)");
@@ -320,8 +330,7 @@ int main(int argc, char ** argv) {
                    "official (default, as dsv4 runs: FP8 KV rows, Hadamard + FP4 indexer) or reference; the tensor "
                    "cores stay on either way unless --no-tensor-cores");
     CLI11_PARSE(app, argc, argv);
-    Numerics numerics;
-    if (!parse_numerics(numerics_arg, &numerics)) {
+    if (!parse_numerics(numerics_arg, &run.numerics)) {
         log_error("--numerics: '{}' is neither official nor reference", numerics_arg);
         return 2;
     }
@@ -332,9 +341,9 @@ int main(int argc, char ** argv) {
         if (profile) setenv("DSV4_CUDA_PROFILE", "1", 1);
         std::printf("%s\n", cuda_device_summary().c_str());
         if (kernels) return run_kernels(options);
-        DSV4_CHECK(!model.empty(), "a model file is needed (or --kernels)");
-        return run_model(model, parse_list(depths), n_decode, n_ubatch, n_warmup, n_ctx, indexer_branch, layer_checks,
-                         numerics, options);
+        DSV4_CHECK(!run.path.empty(), "a model file is needed (or --kernels)");
+        run.depths = parse_list(depths);
+        return run_model(run, options);
     } catch (const Error & e) {
         log_error("{}", e.what());
         return 1;
