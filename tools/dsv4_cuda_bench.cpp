@@ -64,18 +64,16 @@ struct ModelRun {
 };
 
 int run_model(const ModelRun & run, const CudaBackendOptions & options) {
-    const std::string & path = run.path;
-    const int64_t n_decode = run.n_decode, n_ubatch = run.n_ubatch, n_warmup = run.n_warmup, n_ctx = run.n_ctx;
     Timer load;
-    const GgufFile file = GgufFile::open(path);
+    const GgufFile file = GgufFile::open(run.path);
     auto backend = make_cuda_backend(options);
-    Model model(file, *backend, n_ubatch, run.numerics);
+    Model model(file, *backend, run.n_ubatch, run.numerics);
     model.set_indexer_branch_context(run.indexer_branch);
     backend->synchronize();
     const ModelConfig & c = model.config();
     double file_bytes = 0;
     for (const GgufTensorInfo & t : file.tensors()) file_bytes += double(t.n_bytes);
-    std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s), %s numerics\n", path.c_str(),
+    std::printf("%s on %s: %ld layers, %.2f GB loaded in %.1f s (%.2f GB/s), %s numerics\n", run.path.c_str(),
                 backend->name().c_str(), c.n_layer, file_bytes / 1e9, load.seconds(), file_bytes / 1e9 / load.seconds(),
                 numerics_name(run.numerics));
     const double wb = weight_bytes_per_token(file, c);
@@ -85,14 +83,14 @@ int run_model(const ModelRun & run, const CudaBackendOptions & options) {
     for (int64_t depth : run.depths) {
         // The state holds the depth and the decoded tokens, or --ctx tokens (a server's session holds its whole
         // context whatever the conversation's length).
-        auto state = model.new_state(std::max(depth + n_decode + 4, n_ctx));
+        auto state = model.new_state(std::max(depth + run.n_decode + 4, run.n_ctx));
         std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(depth, 1)));
         for (auto & t : prompt) t = int32_t(rng() % uint32_t(c.n_vocab));
         // The first prefill of a process pays one-time costs (kernels load at their first launch, scratch grows to
         // the chunk's size): a throwaway state takes them, then the timed one runs warm. --warmup shortens the
         // throwaway prompt (a 1M prefill takes minutes); its state still has the depth's capacity.
         Timer first;
-        const size_t n_first = n_warmup > 0 ? std::min(prompt.size(), size_t(n_warmup)) : prompt.size();
+        const size_t n_first = run.n_warmup > 0 ? std::min(prompt.size(), size_t(run.n_warmup)) : prompt.size();
         model.eval(*model.new_state(depth + 1), std::span<const int32_t>(prompt.data(), n_first), LogitsMode::last,
                    nullptr);
         const double first_s = first.seconds();
@@ -112,17 +110,17 @@ int run_model(const ModelRun & run, const CudaBackendOptions & options) {
         float stats[4];
         pm_window(*backend, options.device, true);
         Timer dec;
-        for (int64_t i = 0; i < n_decode; ++i) {
+        for (int64_t i = 0; i < run.n_decode; ++i) {
             model.logit_candidates(*state, cand_ids.data(), cand_values.data(), stats);
             tok = int32_t(stats[3]);
             model.eval(*state, std::span<const int32_t>(&tok, 1), LogitsMode::last, nullptr);
         }
-        const double per_token = dec.seconds() / double(n_decode);
+        const double per_token = dec.seconds() / double(run.n_decode);
         pm_window(*backend, options.device, false);
         std::printf(
             "depth %6ld: prefill %7.1f tok/s (%.2f s, ubatch %ld, ctx %ld; first %.2f s) | decode %.3f ms/token = "
             "%.1f tok/s, %.1f %% of the weight roofline\n",
-            depth, double(prompt.size()) / pf_s, pf_s, n_ubatch, state->n_ctx(), first_s, per_token * 1e3,
+            depth, double(prompt.size()) / pf_s, pf_s, run.n_ubatch, state->n_ctx(), first_s, per_token * 1e3,
             1.0 / per_token, 100.0 * wb / kRooflineBytesPerSecond / per_token);
     }
     return 0;
