@@ -166,7 +166,8 @@ class CudaBackend final : public Backend {
         if (profile_) graphs_enabled_ = false;  // op timings need eager launches
 
         cuda::Iq2Tables t{};
-        for (int k = 0; k < 256; ++k) t.grid[k] = quant_detail::kIq2.grid[k];
+        for (int k = 0; k < 256; ++k)
+            for (int e = 0; e < 8; ++e) t.sel[k] |= uint32_t((quant_detail::kIq2.levels[k] >> (2 * e)) & 3) << (4 * e);
         check(cudaMalloc(&iq2_, sizeof t), "cudaMalloc(iq2 tables)");
         check(cudaMemcpy(iq2_, &t, sizeof t, cudaMemcpyHostToDevice), "cudaMemcpy(iq2 tables)");
         check(cudaMalloc(&hc_done_, (cuda::kHcRowsTokens + 1) * sizeof(unsigned)), "cudaMalloc(hc counters)");

@@ -400,22 +400,28 @@ struct Raw8 {
     uint32_t aux;    // Q2_K: the sub-block scale byte; Q4_K: sub-block scale | min << 8
 };
 
-// IQ2_XXS's device sign word (kernels.h). iq2_signs puts the four runs' eighth signs (their parities) where the
-// scale was: the XOR of the word's four bytes holds, on bit 7 - k, the parity of run k's four low signs and on bit
-// 3 - k that of its three high signs and scale bit 3 - k, which the XOR with the scale cancels. iq2_sign_masks:
-// the byte masks (0xff where negative) of the four values whose signs land on bits 7, 15, 23 and 31 when the signs
-// are shifted left by `shift` (k: values 8k .. 8k + 3; 4 + k: values 8k + 4 .. 8k + 7), by prmt's sign-replicating
-// selectors (8 + byte).
-__device__ __forceinline__ uint32_t iq2_scale(uint32_t word) { return (word >> 24) & 15; }
+// IQ2_XXS's device sign word (kernels.h): the sign of value 8k + j of the group on bit 4j + k (j < 7), the scale on
+// bits 28-31. iq2_signs puts the runs' eighth signs (their parities) where the scale was: folding the word's eight
+// nibbles by XOR leaves on bit k the parity of run k's seven signs and scale bit k, which the XOR with the scale
+// cancels. Then the signs of run k, shifted so that they sit on bit 2 of each nibble, make with the grid entry's
+// level codes (Iq2Tables::sel) the selectors of one byte permute a four values (iq2_selector, iq2_values).
+__device__ __forceinline__ uint32_t iq2_scale(uint32_t word) { return word >> 28; }
 __device__ __forceinline__ uint32_t iq2_signs(uint32_t word) {
     uint32_t y = word ^ (word >> 16);
     y ^= y >> 8;
-    return (word & ~0x0f000000u) | (((y ^ (y >> 4) ^ (word >> 24)) << 24) & 0x0f000000u);
+    return (word & 0x0fffffffu) | ((y ^ (y >> 4) ^ (word >> 28)) << 28);
 }
-__device__ __forceinline__ uint32_t iq2_sign_masks(uint32_t signs, int shift) {
-    uint32_t m;
-    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(signs << shift));
-    return m;
+// Entry sel of Iq2Tables::sel with run k's signs on bit 2 of its nibbles: nibble e selects value e's byte below.
+__device__ __forceinline__ uint32_t iq2_selector(uint32_t sel, uint32_t signs, int k) {
+    const uint32_t placed = k < 2 ? signs << (2 - k) : signs >> (k - 2);
+    return sel | (placed & 0x44444444u);
+}
+// The four signed int8 values a selector's low 16 bits pick: levels 8, 25, 43 (selector 0-2), negated (4-6). prmt
+// itself, not __byte_perm, which masks each selector nibble to three bits first (an AND a permute).
+__device__ __forceinline__ uint32_t iq2_values(uint32_t selector) {
+    uint32_t v;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector));
+    return v;
 }
 
 template <GgmlType T>
@@ -464,9 +470,9 @@ __device__ __forceinline__ Raw8 load8(const WeightRef & w, int64_t row, int64_t 
     return r;
 }
 
-// The eight values of a Raw8 loaded at column col (quantized types; iq2_grid: Iq2Tables::grid, in any memory).
+// The eight values of a Raw8 loaded at column col (quantized types; iq2_sel: Iq2Tables::sel, in any memory).
 template <GgmlType T>
-__device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint64_t * iq2_grid, float (&v)[8]) {
+__device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint32_t * iq2_sel, float (&v)[8]) {
     const uint32_t q[2] = {r.q.x, r.q.y};
     if constexpr (T == GgmlType::Q8_0) {
         const float d = f16_bits_to_f32(uint16_t(r.scale));
@@ -497,22 +503,18 @@ __device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint6
             v[e] = mul * float(high ? byte >> 4 : byte & 15) - sub;
         }
     } else if constexpr (T == GgmlType::IQ2_XXS) {
-        // Values 8k .. 8k + 7 of the group: the sign of value 8k + e at bit 8 (e % 4) + 7 - k (e < 4) or + 3 - k.
         const int k = int(col % 32 / 8);
         const float db = f16_bits_to_f32(uint16_t(r.scale)) * (0.5f + float(iq2_scale(q[1]))) * 0.25f;
-        const uint64_t grid = iq2_grid[(q[0] >> (8 * k)) & 255];
-        const uint32_t signs = iq2_signs(q[1]);
+        const uint32_t sel = iq2_selector(iq2_sel[(q[0] >> (8 * k)) & 255], iq2_signs(q[1]), k);
+        const uint32_t vals[2] = {iq2_values(sel), iq2_values(sel >> 16)};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float m = db * float((grid >> (8 * e)) & 255);
-            v[e] = (signs >> (8 * (e % 4) + (e < 4 ? 7 : 3) - k)) & 1 ? -m : m;
-        }
+        for (int e = 0; e < 8; ++e) v[e] = db * float(int8_t(vals[e / 4] >> (8 * (e % 4))));
     }
 }
 
 template <GgmlType T>
 __device__ __forceinline__ void decode8(const WeightRef & w, int64_t row, int64_t col, float (&v)[8]) {
-    decode8<T>(load8<T>(w, row, col), col, w.iq2 ? w.iq2->grid : nullptr, v);
+    decode8<T>(load8<T>(w, row, col), col, w.iq2 ? w.iq2->sel : nullptr, v);
 }
 
 // Element (row, col) of a weight of any supported type (tables are in the upload layout).

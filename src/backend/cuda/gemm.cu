@@ -144,14 +144,14 @@ __device__ __forceinline__ Raw8 raw8_from_tile(const uint8_t * rb, int k0, int c
     return r;
 }
 
-// IQ2_XXS's grid in shared memory (magnitudes as bytes, 2 KB); its random 8-byte lookups conflict. A grid of f16
-// halves (4 KB) took fewer instructions but 2.7 times the bank conflicts, and the tiles waited on them (Nsight
-// Compute, one 8192-token gate/up: 446 M against 167 M, 10.9 ms against 9.3).
+// IQ2_XXS's grid in shared memory as level codes (Iq2Tables::sel, 1 KB); its random lookups conflict. A grid of f16
+// halves (4 KB) took fewer instructions but 2.7 times the bank conflicts of the 2 KB grid of magnitude bytes, and
+// the tiles waited on them (Nsight Compute, one 8192-token gate/up: 446 M against 167 M, 10.9 ms against 9.3).
 struct Iq2TileTables {
-    uint64_t grid[256];
+    uint32_t sel[256];
 };
 __device__ __forceinline__ void fill_iq2_tile_tables(Iq2TileTables & tab, const Iq2Tables & src, int threads) {
-    for (int i = threadIdx.x; i < 256; i += threads) tab.grid[i] = src.grid[i];
+    for (int i = threadIdx.x; i < 256; i += threads) tab.sel[i] = src.sel[i];
 }
 
 // Eight weights as eight f16 values (col: their column in the matrix), each the f16 nearest its exact value. The
@@ -177,24 +177,21 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int col, const Iq2T
             h[j] = *reinterpret_cast<const uint32_t *>(&v);
         }
     } else if constexpr (T == GgmlType::IQ2_XXS) {
-        // A magnitude m times c = (2s + 1) / 8 (the sub-block scale 0.25 (0.5 + s)) is at most 1333 / 8, exact in
-        // f16's 11 bits; the fused (1024 + m) · c - 1024 · c gives it from the byte as the low half of 0x6400. The
-        // product with the f16 d then rounds once: the f16 nearest d · m · (0.5 + s) / 4. Signs: the values' sign
-        // bits on bits 7, 15, 23, 31 of the shifted sign word (kernels.h), moved to the halves' sign bits 15 and 31.
+        // A signed value p (|p| ≤ 43, from the byte permute) times c = (2s + 1) / 8 (the sub-block scale
+        // 0.25 (0.5 + s)) is at most 1333 / 8, exact in f16's 11 bits; as with Q8_0, p with its sign bit flipped is
+        // the low byte of 1152 + p, and the fused (1152 + p) · c - 1152 · c gives p · c exactly. The product with
+        // the f16 d then rounds once: the f16 nearest d · p · (0.5 + s) / 4.
         const int k = int(col % 32 / 8);
-        const uint64_t grid = iq2->grid[(r.q.x >> (8 * k)) & 255];
-        const uint32_t signs = iq2_signs(r.q.y), lo = signs << k, hi = signs << (4 + k);
-        const uint32_t sign[4] = {__byte_perm(lo, 0, 0x1404) & 0x80008000u, __byte_perm(lo, 0, 0x3424) & 0x80008000u,
-                                  __byte_perm(hi, 0, 0x1404) & 0x80008000u, __byte_perm(hi, 0, 0x3424) & 0x80008000u};
+        const uint32_t sel = iq2_selector(iq2->sel[(r.q.x >> (8 * k)) & 255], iq2_signs(r.q.y), k);
+        const uint32_t vals[2] = {iq2_values(sel) ^ 0x80808080u, iq2_values(sel >> 16) ^ 0x80808080u};
         const float c = float(2 * iq2_scale(r.q.y) + 1) * 0.125f;
-        const half2 c2 = __float2half2_rn(c), bias2 = __float2half2_rn(-1024.0f * c);
+        const half2 c2 = __float2half2_rn(c), bias2 = __float2half2_rn(-1152.0f * c);
         const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint32_t biased =
-                __byte_perm(uint32_t(grid >> (j < 2 ? 0 : 32)), 0x64646464u, j % 2 ? 0x4342 : 0x4140);
+            const uint32_t biased = __byte_perm(vals[j / 2], 0x64646464u, j % 2 ? 0x4342 : 0x4140);
             const half2 v = __hmul2(__hfma2(*reinterpret_cast<const half2 *>(&biased), c2, bias2), d);
-            h[j] = *reinterpret_cast<const uint32_t *>(&v) ^ sign[j];
+            h[j] = *reinterpret_cast<const uint32_t *>(&v);
         }
     } else if constexpr (T == GgmlType::Q2_K) {
         // A 2-bit code takes one of four values under its sub-block's scale and min, each computed in f32 as

@@ -23,10 +23,11 @@ namespace dsv4::cuda {
 // IQ2_XXS also reorders the bits of each 32-value group's second word. The file's word holds four runs of seven
 // signs (the eighth sign of each run of eight values is their parity) and the group's 4-bit scale in bits 28-31;
 // turning a run into byte masks (extract, spread by a multiply, parity) took nearly half of a one-token product's
-// instructions. On the device, the sign of value 8k + j (j < 4) sits at bit 8j + 7 - k and that of value 8k + 4 + j
-// (j < 3) at bit 8j + 3 - k, and the scale in bits 24-27: shifted left by k (or 4 + k), the word has the signs of
-// values 8k .. 8k + 3 (or 8k + 4 .. 8k + 7) on bits 7, 15, 23, 31, which one byte permute spreads into byte masks,
-// once bits 24-27 have been replaced by the four parities (iq2_signs, common.cuh: a few instructions a group).
+// instructions. On the device, the sign of value 8k + j (j < 7) sits at bit 4j + k and the scale stays in bits
+// 28-31: once those are replaced by the four parities (iq2_signs, common.cuh: a few instructions a group), run k
+// shifted by 2 - k has its eight signs on bit 2 of the word's eight nibbles, where they turn the level codes of
+// the run's grid entry (Iq2Tables::sel) into the selectors of a byte permute that returns the signed values, four
+// at a time.
 struct BlockSplit {
     int block_bytes;     // bytes of one block in the file
     int payload_offset;  // first payload byte inside the file block
@@ -35,10 +36,11 @@ struct BlockSplit {
 // The split of a type; payload_bytes == 0 when the type keeps its file layout.
 BlockSplit block_split(GgmlType type);
 
-// IQ2_XXS's grid (format/quant_tables.cpp) in device memory, copied once per backend. Its sign table is not
-// needed: the eighth sign bit is the parity of the seven stored ones.
+// IQ2_XXS's grid (format/quant_tables.cpp) in device memory, copied once per backend, as level codes: a 4-byte
+// entry (one 32-bit shared-memory bank) rather than eight magnitude bytes, so that a warp's random lookups conflict
+// less. Its sign table is not needed: the eighth sign bit is the parity of the seven stored ones.
 struct Iq2Tables {
-    uint64_t grid[256];  // byte e of entry k: magnitude of element e
+    uint32_t sel[256];  // nibble e of entry k: level of element e (0, 1, 2 for magnitudes 8, 25, 43)
 };
 
 struct WeightRef {

@@ -175,7 +175,7 @@ __global__ void quantize_rows_kernel(const QuantizeLaunch q) {
 // Weight units: 16 payload bytes of one row, loaded at once, and their dot product with one token's codes
 // ---------------------------------------------------------------------------------------------------------------------
 struct Tables {
-    const uint64_t * grid;  // IQ2_XXS, in shared memory
+    const uint32_t * sel;  // IQ2_XXS's level codes (Iq2Tables::sel), in shared memory
 };
 
 // Weights are read once per step: first in line for eviction from L2 (the activations, streams and KV rows that the
@@ -263,23 +263,19 @@ struct Iq2XxsUnit {
         q = ldg16(w.data + gb * 64 + (u & 3) * 16);
         d = __ldg(reinterpret_cast<const unsigned short *>(w.data + w.n_blocks * 64) + gb);
     }
+    // Sum over the 32 values of grid · sign · a: a byte permute a four values gives them signed (common.cuh), so
+    // one dp4a a four, against two and a mask each when the grid held magnitudes (session 32's word).
     static __device__ __forceinline__ int group(uint32_t idx, uint32_t word, int4 a0, int4 a1, const Tables & t) {
-        // sum over the 32 values of grid * sign * a = (all grid * a) - 2 (grid * a where the sign is negative):
-        // an AND per word instead of a negation (XOR, AND, ADD).
         const uint32_t signs = iq2_signs(word);
-        int all = 0, neg = 0;
+        int sum = 0;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t g = t.grid[(idx >> (8 * kk)) & 255];
-            const uint32_t glo = uint32_t(g), ghi = uint32_t(g >> 32);
+            const uint32_t sel = iq2_selector(t.sel[(idx >> (8 * kk)) & 255], signs, kk);
             const int4 & a = kk < 2 ? a0 : a1;
-            const int alo = (kk & 1) ? a.z : a.x, ahi = (kk & 1) ? a.w : a.y;
-            all = __dp4a(int(glo), alo, all);
-            all = __dp4a(int(ghi), ahi, all);
-            neg = __dp4a(int(glo & iq2_sign_masks(signs, kk)), alo, neg);
-            neg = __dp4a(int(ghi & iq2_sign_masks(signs, 4 + kk)), ahi, neg);
+            sum = __dp4a(int(iq2_values(sel)), (kk & 1) ? a.z : a.x, sum);
+            sum = __dp4a(int(iq2_values(sel >> 16)), (kk & 1) ? a.w : a.y, sum);
         }
-        return (all - 2 * neg) * int(2 * iq2_scale(word) + 1);
+        return sum * int(2 * iq2_scale(word) + 1);
     }
     // A token's codes and scale for unit u, loaded once for all the rows a warp multiplies by them (the compiler
     // did not merge the rows' identical loads: 16 loads and their swizzled addresses a unit instead of 4).
@@ -546,14 +542,14 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
     const int k = int(t.w.ne0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-    // Shared memory: the IQ2 grid (a static array: its address is a constant, so that a lookup is one load at an
-    // offset, not an address sum and a load), then in dynamic memory the tile's codes, scales, sums.
+    // Shared memory: the IQ2 grid's level codes (a static array: its address is a constant, so that a lookup is one
+    // load at an offset, not an address sum and a load), then in dynamic memory the tile's codes, scales, sums.
     uint8_t * p = smem;
     Tables tab{nullptr};
     if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
-        __shared__ uint64_t grid[256];
-        for (int i = threadIdx.x; i < 256; i += kThreads) grid[i] = t.w.iq2->grid[i];
-        tab = {grid};
+        __shared__ uint32_t sel[256];
+        for (int i = threadIdx.x; i < 256; i += kThreads) sel[i] = t.w.iq2->sel[i];
+        tab = {sel};
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);

@@ -112,12 +112,9 @@ __global__ void repack_iq2_kernel(const uint8_t * src, uint8_t * dst, int64_t fi
             const uint8_t * p = b + 2 + 8 * g + 4 * w;
             word[w] = uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
         }
-        uint32_t signs = (word[1] >> 28) << 24;
+        uint32_t signs = word[1] & 0xf0000000u;
         for (int run = 0; run < 4; ++run)
-            for (int e = 0; e < 7; ++e) {
-                const int j = e % 4, shift = e < 4 ? run : 4 + run;
-                signs |= ((word[1] >> (7 * run + e)) & 1u) << (8 * j + 7 - shift);
-            }
+            for (int e = 0; e < 7; ++e) signs |= ((word[1] >> (7 * run + e)) & 1u) << (4 * e + run);
         pay[2 * g] = word[0];
         pay[2 * g + 1] = signs;
     }
