@@ -404,23 +404,23 @@ struct Raw8 {
 // bits 28-31. iq2_signs puts the runs' eighth signs (their parities) where the scale was: folding the word's eight
 // nibbles by XOR leaves on bit k the parity of run k's seven signs and scale bit k, which the XOR with the scale
 // cancels. Then the signs of run k, shifted so that they sit on bit 2 of each nibble, make with the grid entry's
-// level codes (Iq2Tables::sel) the selectors of one byte permute a four values (iq2_selector, iq2_values).
+// level codes (Iq2Tables::sel) the selectors of one byte permute a four values (iq2_run).
 __device__ __forceinline__ uint32_t iq2_scale(uint32_t word) { return word >> 28; }
 __device__ __forceinline__ uint32_t iq2_signs(uint32_t word) {
     uint32_t y = word ^ (word >> 16);
     y ^= y >> 8;
     return (word & 0x0fffffffu) | ((y ^ (y >> 4) ^ (word >> 28)) << 28);
 }
-// Entry sel of Iq2Tables::sel with run k's signs on bit 2 of its nibbles: nibble e selects value e's byte below.
-__device__ __forceinline__ uint32_t iq2_selector(uint32_t sel, uint32_t signs, int k) {
+// The eight signed int8 values of run k (values 8k to 8k + 7 of the group, four a word): entry sel of
+// Iq2Tables::sel with the run's signs on bit 2 of its nibbles selects, nibble e for value e, one byte of a byte
+// permute over levels 8, 25, 43 (selector 0-2) and their negations (4-6). prmt itself, not __byte_perm, which masks
+// each selector nibble to three bits first (an AND a permute).
+__device__ __forceinline__ uint2 iq2_run(uint32_t sel, uint32_t signs, int k) {
     const uint32_t placed = k < 2 ? signs << (2 - k) : signs >> (k - 2);
-    return sel | (placed & 0x44444444u);
-}
-// The four signed int8 values a selector's low 16 bits pick: levels 8, 25, 43 (selector 0-2), negated (4-6). prmt
-// itself, not __byte_perm, which masks each selector nibble to three bits first (an AND a permute).
-__device__ __forceinline__ uint32_t iq2_values(uint32_t selector) {
-    uint32_t v;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector));
+    const uint32_t selector = sel | (placed & 0x44444444u);
+    uint2 v;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.x) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.y) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector >> 16));
     return v;
 }
 
@@ -505,10 +505,9 @@ __device__ __forceinline__ void decode8(const Raw8 & r, int64_t col, const uint3
     } else if constexpr (T == GgmlType::IQ2_XXS) {
         const int k = int(col % 32 / 8);
         const float db = f16_bits_to_f32(uint16_t(r.scale)) * (0.5f + float(iq2_scale(q[1]))) * 0.25f;
-        const uint32_t sel = iq2_selector(iq2_sel[(q[0] >> (8 * k)) & 255], iq2_signs(q[1]), k);
-        const uint32_t vals[2] = {iq2_values(sel), iq2_values(sel >> 16)};
+        const uint2 vals = iq2_run(iq2_sel[(q[0] >> (8 * k)) & 255], iq2_signs(q[1]), k);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = db * float(int8_t(vals[e / 4] >> (8 * (e % 4))));
+        for (int e = 0; e < 8; ++e) v[e] = db * float(int8_t((e < 4 ? vals.x : vals.y) >> (8 * (e % 4))));
     }
 }
 

@@ -182,8 +182,8 @@ __device__ __forceinline__ uint4 raw8_to_f16(const Raw8 & r, int col, const Iq2T
         // the low byte of 1152 + p, and the fused (1152 + p) · c - 1152 · c gives p · c exactly. The product with
         // the f16 d then rounds once: the f16 nearest d · p · (0.5 + s) / 4.
         const int k = int(col % 32 / 8);
-        const uint32_t sel = iq2_selector(iq2->sel[(r.q.x >> (8 * k)) & 255], iq2_signs(r.q.y), k);
-        const uint32_t vals[2] = {iq2_values(sel) ^ 0x80808080u, iq2_values(sel >> 16) ^ 0x80808080u};
+        const uint2 run = iq2_run(iq2->sel[(r.q.x >> (8 * k)) & 255], iq2_signs(r.q.y), k);
+        const uint32_t vals[2] = {run.x ^ 0x80808080u, run.y ^ 0x80808080u};
         const float c = float(2 * iq2_scale(r.q.y) + 1) * 0.125f;
         const half2 c2 = __float2half2_rn(c), bias2 = __float2half2_rn(-1152.0f * c);
         const half2 d = __half2half2(__ushort_as_half(uint16_t(r.scale)));

@@ -270,10 +270,10 @@ struct Iq2XxsUnit {
         int sum = 0;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t sel = iq2_selector(t.sel[(idx >> (8 * kk)) & 255], signs, kk);
+            const uint2 v = iq2_run(t.sel[(idx >> (8 * kk)) & 255], signs, kk);
             const int4 & a = kk < 2 ? a0 : a1;
-            sum = __dp4a(int(iq2_values(sel)), (kk & 1) ? a.z : a.x, sum);
-            sum = __dp4a(int(iq2_values(sel >> 16)), (kk & 1) ? a.w : a.y, sum);
+            sum = __dp4a(int(v.x), (kk & 1) ? a.z : a.x, sum);
+            sum = __dp4a(int(v.y), (kk & 1) ? a.w : a.y, sum);
         }
         return sum * int(2 * iq2_scale(word) + 1);
     }
