@@ -411,16 +411,22 @@ __device__ __forceinline__ uint32_t iq2_signs(uint32_t word) {
     y ^= y >> 8;
     return (word & 0x0fffffffu) | ((y ^ (y >> 4) ^ (word >> 28)) << 28);
 }
+// The byte permute's register word for IQ2_XXS: levels 8, 25, 43 in bytes 0-2 (iq2_run).
+constexpr uint32_t kIq2Levels = 0x002b1908u;
+
 // The eight signed int8 values of run k (values 8k to 8k + 7 of the group, four a word): entry sel of
 // Iq2Tables::sel with the run's signs on bit 2 of its nibbles selects, nibble e for value e, one byte of a byte
-// permute over levels 8, 25, 43 (selector 0-2) and their negations (4-6). prmt itself, not __byte_perm, which masks
-// each selector nibble to three bits first (an AND a permute).
-__device__ __forceinline__ uint2 iq2_run(uint32_t sel, uint32_t signs, int k) {
+// permute over levels (kIq2Levels: 8, 25, 43 for selectors 0-2) and their negations (4-6). prmt itself, not
+// __byte_perm, which masks each selector nibble to three bits first (an AND a permute). The SASS permute takes one
+// word as an immediate and the other from a register: given the constant, ptxas under a 64-register bound moves it
+// from a uniform register before every permute (an instruction a four values); given a word that each lane reads
+// from its own shared-memory slot, it keeps it in a register.
+__device__ __forceinline__ uint2 iq2_run(uint32_t sel, uint32_t signs, int k, uint32_t levels = kIq2Levels) {
     const uint32_t placed = k < 2 ? signs << (2 - k) : signs >> (k - 2);
     const uint32_t selector = sel | (placed & 0x44444444u);
     uint2 v;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.x) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector));
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.y) : "r"(0x002b1908u), "r"(0x00d5e7f8u), "r"(selector >> 16));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.x) : "r"(levels), "r"(0x00d5e7f8u), "r"(selector));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(v.y) : "r"(levels), "r"(0x00d5e7f8u), "r"(selector >> 16));
     return v;
 }
 

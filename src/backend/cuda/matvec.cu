@@ -176,6 +176,7 @@ __global__ void quantize_rows_kernel(const QuantizeLaunch q) {
 // ---------------------------------------------------------------------------------------------------------------------
 struct Tables {
     const uint32_t * sel;  // IQ2_XXS's level codes (Iq2Tables::sel), in shared memory
+    uint32_t levels;       // kIq2Levels, read from a lane's own slot after the table (iq2_run says why)
 };
 
 // Weights are read once per step: first in line for eviction from L2 (the activations, streams and KV rows that the
@@ -270,7 +271,7 @@ struct Iq2XxsUnit {
         int sum = 0;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const uint2 v = iq2_run(t.sel[(idx >> (8 * kk)) & 255], signs, kk);
+            const uint2 v = iq2_run(t.sel[(idx >> (8 * kk)) & 255], signs, kk, t.levels);
             const int4 & a = kk < 2 ? a0 : a1;
             sum = __dp4a(int(v.x), (kk & 1) ? a.z : a.x, sum);
             sum = __dp4a(int(v.y), (kk & 1) ? a.w : a.y, sum);
@@ -545,11 +546,11 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
     // Shared memory: the IQ2 grid's level codes (a static array: its address is a constant, so that a lookup is one
     // load at an offset, not an address sum and a load), then in dynamic memory the tile's codes, scales, sums.
     uint8_t * p = smem;
-    Tables tab{nullptr};
+    Tables tab{nullptr, 0};
     if constexpr (std::is_same_v<U, Iq2XxsUnit>) {
-        __shared__ uint32_t sel[256];
-        for (int i = threadIdx.x; i < 256; i += kThreads) sel[i] = t.w.iq2->sel[i];
-        tab = {sel};
+        __shared__ uint32_t sel[256 + 32];
+        for (int i = threadIdx.x; i < 256 + 32; i += kThreads) sel[i] = i < 256 ? t.w.iq2->sel[i] : kIq2Levels;
+        tab.sel = sel;
     }
     ActTile act;
     const int64_t arb = act_row_bytes(U::kAct, k);
@@ -574,6 +575,7 @@ __device__ __forceinline__ void quant_rows(const MatvecArgs & a, const MatvecTar
         }
     }
     __syncthreads();
+    if constexpr (std::is_same_v<U, Iq2XxsUnit>) tab.levels = tab.sel[256 + lane];
 
     const int units = k / U::kUnitElems;
     const int split = a.split, slice = warp % split;
@@ -829,8 +831,8 @@ __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArg
 
 // One token's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
 // 256 for V4's 2048-wide rows, a warp each) into shared memory first: no quantize launch between gate/up and down.
-// Its blocks pull their expert's rows into L2 before the wait (moe_shared before it is bound by instruction issue,
-// not by memory): the router, two launches back, has usually written the expert ids by the time moe_down starts.
+// Its blocks pull their expert's rows into L2 before the wait (moe_shared before it leaves about two thirds of the
+// DRAM bandwidth idle): the router, two launches back, has usually written the expert ids by the time moe_down starts.
 // When it has not (pdl_begin lets a chain start early), the ids read are the previous step's: a prefetch of rows
 // that are not needed, never a wrong result (the ids are range-checked here and read again after the wait).
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const MatvecArgs a) {
