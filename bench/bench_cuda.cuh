@@ -1,12 +1,25 @@
-// Pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench): cold 16-byte
-// loads whose values are XOR-folded so that they are not dropped, bulk copies into shared memory counted on
-// mbarriers, and launches under programmatic dependent launch.
+// Pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench, dsv4-chain-bench):
+// a fatal check of CUDA calls, cold 16-byte loads whose values are XOR-folded so that they are not dropped, bulk
+// copies into shared memory counted on mbarriers, and launches under programmatic dependent launch.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+// The benchmark's name in its error messages (each one defines it).
+extern const char * const kBenchName;
+
+// Exits with a message naming the call when a CUDA call failed.
+inline void check(cudaError_t e, const char * what) {
+    if (e != cudaSuccess) {
+        std::fprintf(stderr, "%s: %s: %s\n", kBenchName, what, cudaGetErrorString(e));
+        std::exit(1);
+    }
+}
 
 // blocks × threads of kernel on s with smem bytes of dynamic shared memory; with pdl, under programmatic dependent
 // launch (the kernel may start before its predecessor ends and must wait for it itself).
@@ -49,20 +62,35 @@ __device__ int block_xor(int acc) {
     return acc;
 }
 
-// mbarriers [0, n) for one arriving thread each, visible to the bulk copies once this returns.
-__device__ __forceinline__ void mbarriers_init(uint64_t * bars, int n) {
+// mbarriers [0, n), each completing a phase after `arrivals` arrivals, visible to the bulk copies once this returns.
+__device__ __forceinline__ void mbarriers_init(uint64_t * bars, int n, uint32_t arrivals = 1) {
     for (int i = 0; i < n; ++i)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[i])) : "memory");
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&bars[i])), "r"(arrivals) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// Copies bytes from global memory to dst in shared memory; bar completes its phase when they have landed.
-__device__ __forceinline__ void bulk_copy_to_shared(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
+// One arrival on bar that also makes its phase wait for `bytes` more of bulk copies.
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t * bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// A plain arrival on bar.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t * bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Copies bytes from global memory to dst in shared memory, counted on bar (whose phase must expect them).
+__device__ __forceinline__ void bulk_copy(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
         "l"(src), "r"(bytes), "r"(smem_addr(bar))
         : "memory");
+}
+
+// Copies bytes from global memory to dst in shared memory; bar completes its phase when they have landed.
+__device__ __forceinline__ void bulk_copy_to_shared(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
+    mbarrier_expect_bytes(bar, bytes);
+    bulk_copy(dst, src, bytes, bar);
 }
 
 // Spins until bar's phase of the given parity has completed.

@@ -34,6 +34,8 @@
 #include <random>
 #include <vector>
 
+const char * const kBenchName = "dsv4-chain-bench";
+
 namespace {
 
 constexpr int kConsumers = 512;            // sixteen warps
@@ -47,13 +49,6 @@ constexpr int kMaxRows = 256;     // rows of one product a block
 constexpr int kMaxProducts = 32;  // in one launch
 constexpr int kMaxParts = 4;      // warps a row: K / 2048 (o_b's 8192)
 constexpr int kLayers = 4;
-
-void check(cudaError_t e, const char * what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "dsv4-chain-bench: %s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
-}
 
 // One product y = W x of Q8_0 rows. Grouped products (o_a) multiply rows [g G, (g + 1) G) by x[g K, (g + 1) K).
 struct Product {
@@ -112,19 +107,6 @@ __device__ __forceinline__ void poll(const unsigned * count, unsigned target, in
     } while (seen < target);
 }
 
-__device__ __forceinline__ void expect_bytes(uint64_t * bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void copy_bytes(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-}
-__device__ __forceinline__ void arrive(uint64_t * bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // Rows a chunk holds: whole rows filling a slot, fewer at the end of the block's share.
 __device__ __forceinline__ int chunk_rows(const Product & p) { return kSlotBytes / p.k; }
 
@@ -149,12 +131,12 @@ __device__ void produce(const Chain & c, int first, int last, int slots, Shared 
             if (it >= slots) mbarrier_wait(&s.empty[slot], uint32_t((it / slots - 1) & 1));
             const uint32_t payload = uint32_t(n * p.k), scales = uint32_t(n * (p.k / 32) * 2);
             if (c.probe == kNoCopies) {
-                arrive(&s.full[slot]);
+                mbarrier_arrive(&s.full[slot]);
                 continue;
             }
-            expect_bytes(&s.full[slot], payload + scales);
-            copy_bytes(s.slot[slot], p.payload + size_t(r) * p.k, payload, &s.full[slot]);
-            copy_bytes(s.slot_scales[slot], p.scales + size_t(r) * (p.k / 32), scales, &s.full[slot]);
+            mbarrier_expect_bytes(&s.full[slot], payload + scales);
+            bulk_copy(s.slot[slot], p.payload + size_t(r) * p.k, payload, &s.full[slot]);
+            bulk_copy(s.slot_scales[slot], p.scales + size_t(r) * (p.k / 32), scales, &s.full[slot]);
         }
         stamp(c, i, 6);
     }
@@ -298,7 +280,7 @@ __device__ void consume(const Chain & c, int first, int last, int slots, int gap
                 }
             }
             __syncwarp();
-            if (lane == 0) arrive(&s.empty[slot]);
+            if (lane == 0) mbarrier_arrive(&s.empty[slot]);
         }
         if (t == 0) stamp(c, i, 3);
         consumers_sync();
@@ -341,12 +323,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     extern __shared__ __align__(128) uint8_t raw[];
     Shared & s = *reinterpret_cast<Shared *>(raw);
     if (threadIdx.x == 0) {
-        for (int i = 0; i < slots; ++i) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&s.full[i])) : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&s.empty[i])), "r"(kConsumers / 32)
-                         : "memory");
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbarriers_init(s.full, slots);                    // the producer's arrival with the copies' bytes
+        mbarriers_init(s.empty, slots, kConsumers / 32);  // each consumer warp's
     }
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;");

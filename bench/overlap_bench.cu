@@ -20,18 +20,13 @@
 #include <cstdlib>
 #include <vector>
 
+const char * const kBenchName = "dsv4-overlap-bench";
+
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kChainBytes = 16 << 10;  // read by each block of a chain step
 constexpr int kRegions = 8;
-
-void check(cudaError_t e, const char * what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "dsv4-overlap-bench: %s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
-}
 
 struct Chain {
     const int4 * w;   // cold data, kChainBytes a block and step from `first`

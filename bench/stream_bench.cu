@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <vector>
 
+const char * const kBenchName = "dsv4-stream-bench";
+
 namespace {
 
 // The XOR of everything read, stored only if it equals a value it never takes, so that the loads are not dropped.
@@ -62,12 +64,6 @@ __global__ void tma_kernel(const uint8_t * w, size_t per, int stage, int depth, 
     keep(acc, sink);
 }
 
-bool check(cudaError_t e, const char * what) {
-    if (e == cudaSuccess) return true;
-    std::fprintf(stderr, "dsv4-stream-bench: %s: %s\n", what, cudaGetErrorString(e));
-    return false;
-}
-
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -79,13 +75,14 @@ int main(int argc, char ** argv) {
     const size_t bytes = size_t(mb) << 20;
     const int n_buf = int((size_t(600) << 20) / bytes) + 1;
     std::vector<uint8_t *> buf(size_t(n_buf), nullptr);
-    for (uint8_t *& b : buf)
-        if (!check(cudaMalloc(&b, bytes), "cudaMalloc") || !check(cudaMemset(b, 1, bytes), "cudaMemset")) return 1;
+    for (uint8_t *& b : buf) {
+        check(cudaMalloc(&b, bytes), "cudaMalloc");
+        check(cudaMemset(b, 1, bytes), "cudaMemset");
+    }
     int * sink = nullptr;
     int sms = 0;
-    if (!check(cudaMalloc(&sink, 4), "cudaMalloc") ||
-        !check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device attribute"))
-        return 1;
+    check(cudaMalloc(&sink, 4), "cudaMalloc");
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device attribute");
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
@@ -120,15 +117,14 @@ int main(int argc, char ** argv) {
                         if (smem * size_t(per_sm) > 220 * 1024) continue;
                         const int blocks = sms * per_sm;
                         const size_t per = bytes / size_t(blocks) / size_t(stage) * size_t(stage);
-                        if (!check(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                        int(smem)),
-                                   "shared memory"))
-                            return 1;
+                        check(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                              "shared memory");
                         const double us = time_us([&](uint8_t * w) {
                             tma_kernel<<<blocks, threads, smem>>>(w, per, stage, depth, touch, sink);
                         });
                         std::printf("tma  touch %d threads %4d stage %5d x %d blocks/SM %d: %8.2f us  %5.0f GB/s\n",
                                     touch, threads, stage, depth, per_sm, us, double(per) * blocks / us / 1e3);
                     }
-    return check(cudaDeviceSynchronize(), "run") ? 0 : 1;
+    check(cudaDeviceSynchronize(), "run");
+    return 0;
 }

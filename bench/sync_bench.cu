@@ -16,17 +16,12 @@
 #include <cstdlib>
 #include <vector>
 
+const char * const kBenchName = "dsv4-sync-bench";
+
 namespace {
 
 constexpr int kThreads = 256;
 constexpr size_t kBufferBytes = size_t(1) << 30;  // cycled through so that each step's reads miss L2
-
-void check(cudaError_t e, const char * what) {
-    if (e != cudaSuccess) {
-        std::fprintf(stderr, "dsv4-sync-bench: %s: %s\n", what, cudaGetErrorString(e));
-        std::exit(1);
-    }
-}
 
 struct Step {
     const int4 * w;    // the cold buffer
