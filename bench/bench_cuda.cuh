@@ -1,7 +1,9 @@
 // Pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench, dsv4-chain-bench):
-// a fatal check of CUDA calls, cold 16-byte loads whose values are XOR-folded so that they are not dropped, bulk
-// copies into shared memory counted on mbarriers, and launches under programmatic dependent launch.
+// a fatal check of CUDA calls, cold 16-byte loads whose values are XOR-folded so that they are not dropped, and
+// launches under programmatic dependent launch; the bulk copies and mbarriers come from the backend's mbarrier.cuh.
 #pragma once
+
+#include "backend/cuda/mbarrier.cuh"
 
 #include <cuda_runtime.h>
 
@@ -39,8 +41,6 @@ cudaError_t launch_pdl(void (*kernel)(Params...), int blocks, int threads, size_
     return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
 // 16 bytes read past L1 (weights are read once), folded into one int.
 __device__ __forceinline__ int load_xor16(const int4 * p) {
     int4 v;
@@ -60,47 +60,4 @@ __device__ int block_xor(int acc) {
     if (threadIdx.x == 0)
         for (int w = 1; w < THREADS / 32; ++w) acc ^= part[w];
     return acc;
-}
-
-// mbarriers [0, n), each completing a phase after `arrivals` arrivals, visible to the bulk copies once this returns.
-__device__ __forceinline__ void mbarriers_init(uint64_t * bars, int n, uint32_t arrivals = 1) {
-    for (int i = 0; i < n; ++i)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&bars[i])), "r"(arrivals) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// One arrival on bar that also makes its phase wait for `bytes` more of bulk copies.
-__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t * bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-// A plain arrival on bar.
-__device__ __forceinline__ void mbarrier_arrive(uint64_t * bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Copies bytes from global memory to dst in shared memory, counted on bar (whose phase must expect them).
-__device__ __forceinline__ void bulk_copy(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-}
-
-// Copies bytes from global memory to dst in shared memory; bar completes its phase when they have landed.
-__device__ __forceinline__ void bulk_copy_to_shared(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
-    mbarrier_expect_bytes(bar, bytes);
-    bulk_copy(dst, src, bytes, bar);
-}
-
-// Spins until bar's phase of the given parity has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t * bar, uint32_t parity) {
-    uint32_t done = 0;
-    do {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(smem_addr(bar)), "r"(parity)
-            : "memory");
-    } while (!done);
 }

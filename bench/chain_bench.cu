@@ -10,17 +10,20 @@
 // free slot: weights do not depend on the activations, so their stream runs ahead across every dependency. The
 // consumers, for each product, wait until its input is complete (three handshakes: kCounts, kWords, kBits below),
 // quantize the slice of the input their rows read into shared memory (ds4's Q8A rule, as the engine's quantize
-// kernel), take the slots as they fill and store their output rows. `gaps` extra grid barriers after each product
-// stand in for the small steps of a layer (norms, RoPE, attention), which the resident design would run between its
-// products while the ring keeps filling.
+// kernel), take the slots as they fill and store their output rows. Two consumers: session 48's, which reads every
+// 16-byte unit's activations and scales from shared memory, and the register consumer that dsv4's ring kernel
+// (matvec.cu) took from it, whose lanes keep their activations in registers (session 49). `gaps` extra grid
+// barriers after each product stand in for the small steps of a layer (norms, RoPE, attention), which the resident
+// design would run between its products while the ring keeps filling.
 //
 // The products chain through four layers whose weights differ (562 MB a replay, over ten times the L2), so every
 // replay reads cold weights. Outputs are checked against a host computation of the whole chain with the same
-// quantization rule. Usage: dsv4-chain-bench [SLOTS] (ring slots in use, 1..6, default 6). Prints µs a layer and the
-// weight stream's rate for: one launch per product under PDL (as dsv4 runs them); the resident kernel with each
-// handshake, and with 1, 2 and 4 barriers between products; the resident kernel with its waits left out (wrong
-// values), also with the consumers not computing (the ring's own rate) and with no weights copied (the consumers'
-// own rate); then block 0's phases, product by product, in one replay of four of these.
+// quantization rule. Usage: dsv4-chain-bench [SLOTS] (ring slots in use, 1..6, default 6). Prints, for each consumer,
+// µs a layer and the weight stream's rate for: one launch per product under PDL (as dsv4 runs them); the resident
+// kernel with each handshake (the register consumer without the words), and with 1, 2 and 4 barriers between
+// products; the resident kernel with its waits left out (wrong values), also with the consumers not computing (the
+// ring's own rate) and with no weights copied (the consumers' own rate); then block 0's phases, product by product,
+// in one replay of these.
 #include "bench_cuda.cuh"
 
 #include <cuda_fp16.h>
@@ -71,6 +74,12 @@ struct Chain {
     int probe;               // 0; kNoCompute: the consumers only pass the slots on; kNoCopies: no weights move
 };
 constexpr int kNoCompute = 1, kNoCopies = 2;
+// How the consumers take a chunk (a template parameter of the kernel, so that each gets its own register allocation):
+// kUnitConsumer reads each 16-byte unit's activations and scales from shared memory with K read at run time;
+// kRegisterConsumer keeps a lane's activations in registers, K a template parameter. The register consumer does not
+// take the words handshake: with both, the words' eight registers a load made the kernel spill (at 96 registers,
+// the most that seventeen warps get), and spilled values reload from L2 behind the weights' stream.
+constexpr int kUnitConsumer = 0, kRegisterConsumer = 1;
 // How a product's input is known to be complete. kCounts: every block publishes a count after storing its rows
 // (release) and readers poll it (acquire), then read. kWords: each value is stored in one 8-byte word with the
 // replay's epoch (as NCCL's low-latency protocol), so a reader spins on the words themselves and no fence or count
@@ -107,9 +116,6 @@ __device__ __forceinline__ void poll(const unsigned * count, unsigned target, in
     } while (seen < target);
 }
 
-// Rows a chunk holds: whole rows filling a slot, fewer at the end of the block's share.
-__device__ __forceinline__ int chunk_rows(const Product & p) { return kSlotBytes / p.k; }
-
 struct Shared {
     int4 slot[kMaxSlots][kSlotBytes / 16];              // payload
     int4 slot_scales[kMaxSlots][kSlotScaleBytes / 16];  // f16 scales
@@ -122,21 +128,28 @@ struct Shared {
 // The producer: the block's rows of products [first, last) into the ring, in order.
 __device__ void produce(const Chain & c, int first, int last, int slots, Shared & s) {
     const int b = int(blockIdx.x), blocks = int(gridDim.x);
-    int it = 0;
+    // No division a chunk: one thread on a scheduler that four spinning consumer warps share issues every copy.
+    int it = 0, slot = 0;
+    uint32_t phase = 0;
     for (int i = first; i < last; ++i) {
         const Product & p = c.p[i];
         const int r0 = row_begin(p.rows, b, blocks), r1 = row_begin(p.rows, b + 1, blocks);
-        for (int r = r0; r < r1; r += chunk_rows(p), ++it) {
-            const int n = min(chunk_rows(p), r1 - r), slot = it % slots;
-            if (it >= slots) mbarrier_wait(&s.empty[slot], uint32_t((it / slots - 1) & 1));
-            const uint32_t payload = uint32_t(n * p.k), scales = uint32_t(n * (p.k / 32) * 2);
+        const int k_shift = __ffs(p.k) - 1, per = kSlotBytes >> k_shift;
+        for (int r = r0; r < r1; r += per, ++it) {
+            if (it > 0 && ++slot == slots) {
+                slot = 0;
+                phase ^= 1u;
+            }
+            const int n = min(per, r1 - r);
+            if (it >= slots) mbarrier_wait(&s.empty[slot], phase ^ 1u);
+            const uint32_t payload = uint32_t(n) << k_shift, scales = uint32_t(n) << (k_shift - 4);
             if (c.probe == kNoCopies) {
                 mbarrier_arrive(&s.full[slot]);
                 continue;
             }
             mbarrier_expect_bytes(&s.full[slot], payload + scales);
-            bulk_copy(s.slot[slot], p.payload + size_t(r) * p.k, payload, &s.full[slot]);
-            bulk_copy(s.slot_scales[slot], p.scales + size_t(r) * (p.k / 32), scales, &s.full[slot]);
+            bulk_copy(s.slot[slot], p.payload + (size_t(r) << k_shift), payload, &s.full[slot]);
+            bulk_copy(s.slot_scales[slot], p.scales + (size_t(r) << (k_shift - 5)), scales, &s.full[slot]);
         }
         stamp(c, i, 6);
     }
@@ -205,17 +218,139 @@ __device__ void quantize_input(const void * x, int begin, int span, unsigned epo
 constexpr int kWarpUnits = kSlotBytes / 16 / (kConsumers / 32);  // 16-byte units a warp takes of a full chunk
 constexpr int kUnits = kWarpUnits / 32;                          // and a lane
 
+// The consumers' place in the ring: chunks taken, and the current one's slot and phase.
+struct Ring {
+    int slots, it = 0, slot = 0;
+    uint32_t phase = 0;
+    // The next chunk's slot, once it has landed.
+    __device__ __forceinline__ void next(Shared & s) {
+        if (it++ > 0 && ++slot == slots) {
+            slot = 0;
+            phase ^= 1u;
+        }
+        mbarrier_wait(&s.full[slot], phase);
+    }
+    __device__ __forceinline__ void release(Shared & s) {
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbarrier_arrive(&s.empty[slot]);
+    }
+};
+
+// The block's rows [r0, r1) of p from the ring into s.part, K read at run time. A warp takes kWarpUnits consecutive
+// 16-byte units of a chunk, a lane kUnits of them 32 apart: with k >= 2048 they lie in one part of one row (one
+// reduction a warp and chunk); with k = 1024 in two rows. k is a power of two: rows and columns of units by shifts
+// and masks. Each unit reads its activations and both scales from shared memory.
+__device__ void rows_units(const Chain & c, const Product & p, int r0, int r1, int g0, Ring & ring, Shared & s) {
+    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+    const int units_per_row = p.k / 16, row_shift = __ffs(units_per_row) - 1;
+    const int per = kSlotBytes / 16 >> row_shift;
+    for (int r = r0; r < r1; r += per) {
+        const int n = min(per, r1 - r);
+        const int first_unit = warp * kWarpUnits;
+        ring.next(s);
+        if (first_unit < n * units_per_row && c.probe != kNoCompute) {
+            const uint16_t * scales = reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot]);
+            const int row = first_unit >> row_shift;  // of the chunk; the first of two when k = 1024
+            const int in = p.group_rows == p.rows ? 0 : (r + row) / p.group_rows - g0;
+            float sum0 = 0.0f, sum1 = 0.0f;  // the first row's, the second's
+#pragma unroll
+            for (int j = 0; j < kUnits; ++j) {
+                const int u = first_unit + lane + 32 * j, col = u & (units_per_row - 1);
+                const int4 w = s.slot[ring.slot][u];
+                const int4 a = s.xq[in * units_per_row + col];
+                int dot = __dp4a(w.x, a.x, 0);
+                dot = __dp4a(w.y, a.y, dot);
+                dot = __dp4a(w.z, a.z, dot);
+                dot = __dp4a(w.w, a.w, dot);
+                const int row_u = u >> row_shift;
+                const float v = __half2float(__ushort_as_half(scales[row_u * (p.k / 32) + col / 2])) *
+                                s.xd[in * (p.k / 32) + col / 2] * float(dot);
+                if (row_u == row)
+                    sum0 += v;
+                else
+                    sum1 += v;
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                sum0 += __shfl_xor_sync(0xffffffffu, sum0, o);
+                sum1 += __shfl_xor_sync(0xffffffffu, sum1, o);
+            }
+            if (lane == 0) {
+                const int local = r - r0 + row, part = (first_unit & (units_per_row - 1)) / kWarpUnits;
+                s.part[local][part] = sum0;
+                if (units_per_row < kWarpUnits) s.part[local + 1][0] = sum1;
+            }
+        }
+        ring.release(s);
+    }
+}
+
+// The same rows with K known at compile time, so that every index is a constant offset from the lane's first unit.
+// A lane reads the same columns of every row its warp takes (units lane + 32 j of the warp's part of a row), so its
+// activations and their scales stay in registers for the whole product (reloaded only where o_a's rows cross into
+// the next group). A unit costs one shared load of weights and one of a scale: the scale of unit u is the slot's
+// block u / 2, because chunks hold whole rows of whole blocks.
+template <int K>
+__device__ void rows_registers(const Chain & c, const Product & p, int r0, int r1, int g0, Ring & ring, Shared & s) {
+    constexpr int kUnitsPerRow = K / 16, kPer = kSlotBytes / K;
+    constexpr int kRows = kUnitsPerRow < kWarpUnits ? kWarpUnits / kUnitsPerRow : 1;  // rows a warp takes: 2 at 1024
+    static_assert(kRows <= 2 && kUnitsPerRow % 32 == 0, "a warp's units span at most two rows, a lane's one row each");
+    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+    const int first_unit = warp * kWarpUnits;
+    const int row = first_unit / kUnitsPerRow, base = first_unit % kUnitsPerRow;  // the warp's first row and column
+    int4 a[kUnits];                                                               // the lane's activation codes, unit j
+    float ad[kUnits];                                                             // and their scales
+    int in = -1;                                                                  // the group they belong to
+    for (int r = r0; r < r1; r += kPer) {
+        ring.next(s);
+        if (row < min(kPer, r1 - r) && c.probe != kNoCompute) {
+            const int g = p.group_rows == p.rows ? 0 : (r + row) / p.group_rows - g0;
+            if (g != in) {
+                in = g;
+#pragma unroll
+                for (int j = 0; j < kUnits; ++j) {
+                    const int col = (base + 32 * j) % kUnitsPerRow + lane;
+                    a[j] = s.xq[in * kUnitsPerRow + col];
+                    ad[j] = s.xd[(in * kUnitsPerRow + col) / 2];
+                }
+            }
+            const int4 * w = &s.slot[ring.slot][first_unit + lane];
+            const uint16_t * scales =
+                reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot]) + (first_unit + lane) / 2;
+            float sum[kRows] = {};
+#pragma unroll
+            for (int j = 0; j < kUnits; ++j) {
+                const int4 wj = w[32 * j];
+                int dot = __dp4a(wj.x, a[j].x, 0);
+                dot = __dp4a(wj.y, a[j].y, dot);
+                dot = __dp4a(wj.z, a[j].z, dot);
+                dot = __dp4a(wj.w, a[j].w, dot);
+                sum[(base + 32 * j) / kUnitsPerRow] +=
+                    float(dot) * (ad[j] * __half2float(__ushort_as_half(scales[16 * j])));
+            }
+            // Two rows reduce in five shuffles: the first level trades halves, so that lanes 0-15 then hold the first
+            // row's sums and lanes 16-31 the second's.
+            float v = sum[0];
+            if constexpr (kRows == 2) {
+                const bool upper = (lane & 16) != 0;
+                v = (upper ? sum[1] : sum[0]) + __shfl_xor_sync(0xffffffffu, upper ? sum[0] : sum[1], 16);
+            }
+            for (int o = kRows == 2 ? 8 : 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) s.part[r - r0 + row][base / kWarpUnits] = v;
+            if (kRows == 2 && lane == 16) s.part[r - r0 + row + 1][0] = v;
+        }
+        ring.release(s);
+    }
+}
+
 // The consumers: for each product, its input (once the handshake says it is complete), the block's rows from the
 // ring, its output (and count); then `gaps` grid barriers.
-template <bool WAIT>
+template <bool WAIT, int CONSUMER>
 __device__ void consume(const Chain & c, int first, int last, int slots, int gaps, Shared & s) {
     const int b = int(blockIdx.x), blocks = int(gridDim.x), t = int(threadIdx.x);
-    const int warp = t >> 5, lane = t & 31;
     unsigned * gap_counts = c.published + kMaxProducts;
     unsigned epoch;
     asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(epoch) : "l"(c.epoch));
-    int it = 0, slot = 0;  // chunks taken, and the current one's slot and phase
-    uint32_t phase = 0;
+    Ring ring{slots};
     for (int i = first; i < last; ++i) {
         const Product & p = c.p[i];
         const int r0 = row_begin(p.rows, b, blocks), r1 = row_begin(p.rows, b + 1, blocks);
@@ -226,68 +361,39 @@ __device__ void consume(const Chain & c, int first, int last, int slots, int gap
         consumers_sync();
         if (t == 0) stamp(c, i, 1);
         const int g0 = r0 / p.group_rows, g1 = (r1 - 1) / p.group_rows;
-        // A static input is held as words; the chain's values as the handshake writes them.
+        // A static input is held as f32 values (read with no check); the chain's values as the handshake writes them.
         const unsigned check = chained && c.handshake != kCounts ? epoch : ~0u;
-        if (c.handshake == kBits && p.input_from >= 0)
+        if (CONSUMER == kRegisterConsumer || c.handshake == kBits || p.input_from < 0)
             quantize_input<true>(p.x, g0 * p.k, (g1 - g0 + 1) * p.k, check, c.timed_out, s);
         else
             quantize_input<false>(p.x, g0 * p.k, (g1 - g0 + 1) * p.k, check, c.timed_out, s);
         consumers_sync();
         if (t == 0) stamp(c, i, 2);
-        // A warp takes kWarpUnits consecutive 16-byte units of a chunk, a lane kUnits of them 32 apart: with k >= 2048
-        // they lie in one part of one row (one reduction a warp and chunk); with k = 1024 in two rows. k is a power of
-        // two: rows and columns of units by shifts and masks.
-        const int units_per_row = p.k / 16, row_shift = __ffs(units_per_row) - 1;
-        const int parts = max(1, units_per_row / kWarpUnits);
-        for (int r = r0; r < r1; r += chunk_rows(p), ++it) {
-            const int n = min(chunk_rows(p), r1 - r);
-            if (it > 0 && ++slot == slots) {
-                slot = 0;
-                phase ^= 1u;
+        if constexpr (CONSUMER == kRegisterConsumer) {
+            switch (p.k) {
+                case 1024:
+                    rows_registers<1024>(c, p, r0, r1, g0, ring, s);
+                    break;
+                case 2048:
+                    rows_registers<2048>(c, p, r0, r1, g0, ring, s);
+                    break;
+                case 4096:
+                    rows_registers<4096>(c, p, r0, r1, g0, ring, s);
+                    break;
+                default:
+                    rows_registers<8192>(c, p, r0, r1, g0, ring, s);
+                    break;
             }
-            const int first_unit = warp * kWarpUnits;
-            mbarrier_wait(&s.full[slot], phase);
-            if (first_unit < n * units_per_row && c.probe != kNoCompute) {
-                const uint16_t * scales = reinterpret_cast<const uint16_t *>(s.slot_scales[slot]);
-                const int row = first_unit >> row_shift;  // of the chunk; the first of two when k = 1024
-                const int in = (r + row) / p.group_rows - g0;
-                float sum0 = 0.0f, sum1 = 0.0f;  // the first row's, the second's
-#pragma unroll
-                for (int j = 0; j < kUnits; ++j) {
-                    const int u = first_unit + lane + 32 * j, col = u & (units_per_row - 1);
-                    const int4 w = s.slot[slot][u];
-                    const int4 a = s.xq[in * units_per_row + col];
-                    int dot = __dp4a(w.x, a.x, 0);
-                    dot = __dp4a(w.y, a.y, dot);
-                    dot = __dp4a(w.z, a.z, dot);
-                    dot = __dp4a(w.w, a.w, dot);
-                    const int row_u = u >> row_shift;
-                    const float v = __half2float(__ushort_as_half(scales[row_u * (p.k / 32) + col / 2])) *
-                                    s.xd[in * (p.k / 32) + col / 2] * float(dot);
-                    if (row_u == row)
-                        sum0 += v;
-                    else
-                        sum1 += v;
-                }
-                for (int o = 16; o > 0; o >>= 1) {
-                    sum0 += __shfl_xor_sync(0xffffffffu, sum0, o);
-                    sum1 += __shfl_xor_sync(0xffffffffu, sum1, o);
-                }
-                if (lane == 0) {
-                    const int local = r - r0 + row, part = (first_unit & (units_per_row - 1)) / kWarpUnits;
-                    s.part[local][part] = sum0;
-                    if (units_per_row < kWarpUnits) s.part[local + 1][0] = sum1;
-                }
-            }
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(&s.empty[slot]);
+        } else {
+            rows_units(c, p, r0, r1, g0, ring, s);
         }
+        const int parts = max(1, p.k / 16 / kWarpUnits);
         if (t == 0) stamp(c, i, 3);
         consumers_sync();
         for (int r = r0 + t; r < r1; r += kConsumers) {
             float y = 0.0f;
             for (int q = 0; q < parts; ++q) y += s.part[r - r0][q];
-            if (c.handshake == kBits) {
+            if (c.handshake == kBits || CONSUMER == kRegisterConsumer) {  // f32, the epoch's parity read under kBits
                 const uint32_t bits = (__float_as_uint(y) & ~1u) | (epoch & 1u);
                 asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(static_cast<uint32_t *>(p.y) + r), "r"(bits)
                              : "memory");
@@ -317,7 +423,7 @@ __device__ void consume(const Chain & c, int first, int last, int slots, int gap
 __global__ void bump_epoch(unsigned * epoch) { *epoch += 1; }
 
 // Products [first, last) of the chain. Launched once for the whole chain (resident), or once a product under PDL.
-template <bool WAIT>
+template <bool WAIT, int CONSUMER>
 __global__ void __launch_bounds__(kThreads, 1)
     chain_kernel(const __grid_constant__ Chain c, int first, int last, int slots, int gaps) {
     extern __shared__ __align__(128) uint8_t raw[];
@@ -333,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    consume<WAIT>(c, first, last, slots, gaps, s);
+    consume<WAIT, CONSUMER>(c, first, last, slots, gaps, s);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -442,9 +548,7 @@ int main(int argc, char ** argv) {
     std::vector<float> x0(4096);
     std::normal_distribution<float> normal;
     for (float & v : x0) v = normal(rng);
-    std::vector<uint64_t> x0_words(x0.size());
-    for (size_t i = 0; i < x0.size(); ++i) std::memcpy(&x0_words[i], &x0[i], 4);
-    const uint64_t * x_first = static_cast<const uint64_t *>(device_copy(x0_words.data(), x0_words.size() * 8));
+    const float * x_first = static_cast<const float *>(device_copy(x0.data(), x0.size() * 4));
     for (int l = 0; l < kLayers; ++l)
         for (int j = 0; j < kPerLayer; ++j) {
             const Shape & sh = shapes[j];
@@ -485,7 +589,8 @@ int main(int argc, char ** argv) {
     check(cudaMemset(epoch, 0, sizeof(unsigned)), "cudaMemset");  // the words start at 0: the first replay is 1
     chain.epoch = epoch;
     check(cudaMemset(chain.timed_out, 0, sizeof(int)), "cudaMemset");
-    for (auto kernel : {chain_kernel<true>, chain_kernel<false>})
+    for (auto kernel : {chain_kernel<true, kUnitConsumer>, chain_kernel<false, kUnitConsumer>,
+                        chain_kernel<true, kRegisterConsumer>, chain_kernel<false, kRegisterConsumer>})
         check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(sizeof(Shared))),
               "shared memory");
 
@@ -515,15 +620,22 @@ int main(int argc, char ** argv) {
     // The resident kernel's blocks wait on each other, so all must be resident at once: one a multiprocessor, which
     // its shared memory allows and nothing else on the GPU competes for (a poll gives up after ~2 s otherwise).
     int per_sm = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<true>, kThreads, sizeof(Shared)),
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chain_kernel<true, kUnitConsumer>, kThreads,
+                                                        sizeof(Shared)),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     if (per_sm < 1) {
         std::fprintf(stderr, "dsv4-chain-bench: the kernel does not fit a multiprocessor\n");
         return 1;
     }
+    int consumer = kUnitConsumer;
+    auto kernel = [&](bool wait) {
+        if (consumer == kRegisterConsumer)
+            return wait ? chain_kernel<true, kRegisterConsumer> : chain_kernel<false, kRegisterConsumer>;
+        return wait ? chain_kernel<true, kUnitConsumer> : chain_kernel<false, kUnitConsumer>;
+    };
     auto resident = [&](bool wait, int gaps) {
-        check(launch_pdl(wait ? chain_kernel<true> : chain_kernel<false>, blocks, kThreads, sizeof(Shared), false,
-                         stream, chain, 0, chain.count, slots, gaps),
+        check(launch_pdl(kernel(wait), blocks, kThreads, sizeof(Shared), false, stream, chain, 0, chain.count, slots,
+                         gaps),
               "cudaLaunchKernelEx");
     };
     // Outputs left by another handshake's layout must not pass for the next replay's: words of 0 carry no epoch (the
@@ -538,6 +650,8 @@ int main(int argc, char ** argv) {
                   "cudaMemset");
         chain.handshake = handshake;
     };
+    // Outputs are f32 values under kBits and from the register consumer, else 8-byte words.
+    auto f32_values = [&] { return chain.handshake == kBits || consumer == kRegisterConsumer; };
     auto check_output = [&](const char * what) {
         std::vector<uint64_t> words(ref.size());
         check(cudaMemcpy(words.data(), chain.p[chain.count - 1].y, words.size() * 8, cudaMemcpyDeviceToHost),
@@ -545,7 +659,7 @@ int main(int argc, char ** argv) {
         std::vector<float> y(ref.size());
         for (size_t i = 0; i < y.size(); ++i) {
             const uint32_t bits =
-                chain.handshake == kBits ? reinterpret_cast<const uint32_t *>(words.data())[i] : uint32_t(words[i]);
+                f32_values() ? reinterpret_cast<const uint32_t *>(words.data())[i] : uint32_t(words[i]);
             std::memcpy(&y[i], &bits, 4);
         }
         double err = 0, norm = 0;
@@ -571,61 +685,73 @@ int main(int argc, char ** argv) {
         if (checked) ok = check_output(what) && ok;
         cudaGraphExecDestroy(exec);
     };
-    use_handshake(kWords);  // no count to publish: each launch waits for the one before (PDL)
-    report("one launch a product (PDL)", capture([&] {
-               for (int i = 0; i < chain.count; ++i)
-                   check(launch_pdl(chain_kernel<false>, blocks, kThreads, sizeof(Shared), true, stream, chain, i,
-                                    i + 1, slots, 0),
-                         "cudaLaunchKernelEx");
-           }),
-           true);
-    use_handshake(kCounts);
-    report("resident, counts, 0 barriers between products", capture([&] { resident(true, 0); }), true);
-    use_handshake(kWords);
-    report("resident, words, 0 barriers between products", capture([&] { resident(true, 0); }), true);
-    use_handshake(kBits);
-    for (int gaps : {0, 1, 2, 4}) {
-        char what[64];
-        std::snprintf(what, sizeof what, "resident, bits, %d barrier%s between products", gaps, gaps == 1 ? "" : "s");
-        report(what, capture([&] { resident(true, gaps); }), true);
-    }
-    report("resident, no waits (wrong values)", capture([&] { resident(false, 0); }), false);
-    chain.probe = kNoCompute;
-    report("  the same, weights not computed on", capture([&] { resident(false, 0); }), false);
-    chain.probe = kNoCopies;
-    report("  the same, no weights copied", capture([&] { resident(false, 0); }), false);
-    chain.probe = 0;
-
-    // Block 0's phases in one replay of the resident kernel, µs from the product's start (thread 0's view; the
-    // producer's stamp is when it issued the product's last copy).
-    check(cudaMalloc(&chain.stamps, kMaxProducts * kStamps * sizeof(long long)), "cudaMalloc");
-    const char * runs[] = {"resident, counts", "resident, words", "resident, bits", "no waits, no weights copied"};
-    for (int run = 0; run < 4; ++run) {
-        use_handshake(run == 0 ? kCounts : run == 1 ? kWords : kBits);
-        chain.probe = run == 3 ? kNoCopies : 0;
-        cudaGraphExec_t exec = capture([&] { resident(run < 3, 0); });
-        check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-        check(cudaStreamSynchronize(stream), "run");
-        cudaGraphExecDestroy(exec);
-        std::vector<long long> st(size_t(kMaxProducts) * kStamps);
-        check(cudaMemcpy(st.data(), chain.stamps, st.size() * sizeof(long long), cudaMemcpyDeviceToHost), "cudaMemcpy");
-        int khz = 0;
-        check(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0), "cudaDeviceGetAttribute");
-        const double per_us = double(khz) * 1e-3;  // cycles a µs at the reported clock
-        std::printf("block 0's phases, %s, layer 2 (µs; the start is the previous product's publish):\n", runs[run]);
-        std::printf("  %-8s %8s %8s %8s %8s %8s %8s %14s\n", "product", "start", "input", "quant", "rows", "stored",
-                    "published", "last copy");
-        for (int i = kPerLayer; i < 2 * kPerLayer; ++i) {
-            const long long * r = &st[size_t(i) * kStamps];
-            std::printf("  %-8s", shapes[i % kPerLayer].name);
-            for (int ph = 0; ph < 6; ++ph)
-                std::printf(" %8.2f", double(r[ph] - st[size_t(i - 1) * kStamps + 5]) / per_us);
-            std::printf(" %14.2f\n", double(r[6] - st[size_t(i - 1) * kStamps + 5]) / per_us);
+    const char * consumer_names[] = {"unit consumer", "register consumer"};
+    for (int which : {kUnitConsumer, kRegisterConsumer}) {
+        consumer = which;
+        std::printf("%s:\n", consumer_names[consumer]);
+        // No count to publish: each launch waits for the one before (PDL). The register consumer reads f32 values.
+        use_handshake(consumer == kRegisterConsumer ? kBits : kWords);
+        report("one launch a product (PDL)", capture([&] {
+                   for (int i = 0; i < chain.count; ++i)
+                       check(launch_pdl(kernel(false), blocks, kThreads, sizeof(Shared), true, stream, chain, i, i + 1,
+                                        slots, 0),
+                             "cudaLaunchKernelEx");
+               }),
+               true);
+        use_handshake(kCounts);
+        report("resident, counts, 0 barriers between products", capture([&] { resident(true, 0); }), true);
+        if (consumer == kUnitConsumer) {
+            use_handshake(kWords);
+            report("resident, words, 0 barriers between products", capture([&] { resident(true, 0); }), true);
         }
+        use_handshake(kBits);
+        for (int gaps : {0, 1, 2, 4}) {
+            char what[64];
+            std::snprintf(what, sizeof what, "resident, bits, %d barrier%s between products", gaps,
+                          gaps == 1 ? "" : "s");
+            report(what, capture([&] { resident(true, gaps); }), true);
+        }
+        report("resident, no waits (wrong values)", capture([&] { resident(false, 0); }), false);
+        chain.probe = kNoCompute;
+        report("  the same, weights not computed on", capture([&] { resident(false, 0); }), false);
+        chain.probe = kNoCopies;
+        report("  the same, no weights copied", capture([&] { resident(false, 0); }), false);
+        chain.probe = 0;
+
+        // Block 0's phases in one replay of the resident kernel, µs from the product's start (thread 0's view; the
+        // producer's stamp is when it issued the product's last copy).
+        check(cudaMalloc(&chain.stamps, kMaxProducts * kStamps * sizeof(long long)), "cudaMalloc");
+        const char * runs[] = {"resident, counts", "resident, words", "resident, bits", "no waits, no weights copied"};
+        for (int run = 0; run < 4; ++run) {
+            if (run == 1 && consumer == kRegisterConsumer) continue;
+            use_handshake(run == 0 ? kCounts : run == 1 ? kWords : kBits);
+            chain.probe = run == 3 ? kNoCopies : 0;
+            cudaGraphExec_t exec = capture([&] { resident(run < 3, 0); });
+            check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+            check(cudaStreamSynchronize(stream), "run");
+            cudaGraphExecDestroy(exec);
+            std::vector<long long> st(size_t(kMaxProducts) * kStamps);
+            check(cudaMemcpy(st.data(), chain.stamps, st.size() * sizeof(long long), cudaMemcpyDeviceToHost),
+                  "cudaMemcpy");
+            int khz = 0;
+            check(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0), "cudaDeviceGetAttribute");
+            const double per_us = double(khz) * 1e-3;  // cycles a µs at the reported clock
+            std::printf("block 0's phases, %s, layer 2 (µs; the start is the previous product's publish):\n",
+                        runs[run]);
+            std::printf("  %-8s %8s %8s %8s %8s %8s %8s %14s\n", "product", "start", "input", "quant", "rows", "stored",
+                        "published", "last copy");
+            for (int i = kPerLayer; i < 2 * kPerLayer; ++i) {
+                const long long * r = &st[size_t(i) * kStamps];
+                std::printf("  %-8s", shapes[i % kPerLayer].name);
+                for (int ph = 0; ph < 6; ++ph)
+                    std::printf(" %8.2f", double(r[ph] - st[size_t(i - 1) * kStamps + 5]) / per_us);
+                std::printf(" %14.2f\n", double(r[6] - st[size_t(i - 1) * kStamps + 5]) / per_us);
+            }
+        }
+        cudaFree(chain.stamps);
+        chain.stamps = nullptr;
+        chain.probe = 0;
     }
-    cudaFree(chain.stamps);
-    chain.stamps = nullptr;
-    chain.probe = 0;
 
     int gave_up = 0;
     check(cudaMemcpy(&gave_up, chain.timed_out, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");

@@ -362,6 +362,20 @@ TEST(Ops, MatmulTilesDecodeWeightsExactly) {
     }
 }
 
+// One token's large Q8_0 products, which take the ring kernel on sm_90 (matvec.cu: at least 16 MB, K of 1024 to
+// 8192): each K, with rows that the blocks do not divide evenly (the small_smem variant runs them on matvec_kernel).
+TEST(Ops, MatmulRing) {
+    for (auto [in, out] : {std::pair<int64_t, int64_t>{1024, 32768}, {2048, 12000}, {4096, 6001}, {8192, 4096}}) {
+        Store s;
+        const Both w = s.weight(GgmlType::Q8_0, in, out);
+        const Both x = s.values(randn(size_t(in)), in, 1);
+        const Both y = s.out(GgmlType::F32, out, 1);
+        gpu().matmul(w.g, x.g, y.g);
+        cpu(true).matmul(w.c, x.c, y.c);
+        compare("matmul q8_0 " + shape(w.c) + " n=1 vs cpu", y, 1e-4);
+    }
+}
+
 TEST(Ops, MatmulGroupedOutputProjection) {
     for (int64_t n : {1, 3, 20, 70}) {
         Store s;
@@ -467,7 +481,9 @@ TEST(Ops, BranchJoinsBeforeItsResultsAreRead) {
 // The shared expert's down projection with its activation and the routed sum fused (Q8_0 in the quantized files,
 // float types in the others; one token quantizes in the block, several through the activation rows).
 TEST(Ops, SwigluMatmulAdd) {
+    // Q8_0 4096 x 4096: one token on the ring kernel (its addend).
     for (auto [type, in, out] : {std::tuple<GgmlType, int64_t, int64_t>{GgmlType::Q8_0, 2048, 4096},
+                                 {GgmlType::Q8_0, 4096, 4096},
                                  {GgmlType::F16, 2048, 256},
                                  {GgmlType::F32, 48, 36},
                                  {GgmlType::Q2_K, 512, 64}}) {

@@ -1203,6 +1203,7 @@ class CudaBackend final : public Backend {
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
         const ActPlan plan = act_plan(a, k);
         if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
+        a.ring = !branch_pending_ && !origin_;
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/mbarrier.cuh"
 #include "format/q4k_scales.h"
 
 #include <cuda_fp16.h>
@@ -136,7 +137,6 @@ __device__ __forceinline__ unsigned count_acquire(const unsigned * f) {
     return v;
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void * p) { return uint32_t(__cvta_generic_to_shared(p)); }
 // Global -> shared without passing through registers (16 bytes by L2 only, 4 bytes through L1); zeros when src
 // is null.
 __device__ __forceinline__ void cp_async16(void * dst, const void * src) {

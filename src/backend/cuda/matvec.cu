@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <type_traits>
 
 namespace dsv4::cuda {
@@ -796,6 +797,213 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
     (run(Us{}) || ...);
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// One token's large Q8_0 products through a ring of shared-memory slots (decode)
+// ---------------------------------------------------------------------------------------------------------------------
+// One block a multiprocessor. Its producer thread copies the block's rows (payload and f16 scales, whole rows a slot)
+// into a ring of 32 KB slots with bulk copies from the kernel's first instruction: weights never change, so under
+// PDL they stream while the kernel before still runs, and a slot's copy never waits on a load a warp issues.
+// Sixteen consumer warps wait for the kernel before, load the activation codes their lanes multiply into registers
+// (a lane reads the same columns of every row its warp takes, so K is a template parameter and every index a
+// constant offset), take the slots as they land and leave each row's partial sums in shared memory; the block
+// stores its rows at the end. dsv4-chain-bench measured the design on a layer's dense products ("Session 49" of
+// docs/cuda.md): a chain of them launched this way streams at 2.6 TB/s against 2.2-2.3 for session 48's consumer.
+// sm_90 and up (bulk copies, transaction-counted mbarriers) with a 227 KB carveout; elsewhere matvec_kernel runs.
+namespace ring {
+
+constexpr int kConsumers = 512;            // sixteen warps
+constexpr int kThreads = kConsumers + 32;  // and the producer's warp
+constexpr int kMaxSlots = 6;
+constexpr int kSlotBytes = 32 << 10;                             // whole rows: K divides it
+constexpr int kSlotScaleBytes = kSlotBytes / 16;                 // their f16 scales, 2 bytes a block of 32
+constexpr int kWarpUnits = kSlotBytes / 16 / (kConsumers / 32);  // 16-byte units a warp takes of a full slot
+constexpr int kUnits = kWarpUnits / 32;                          // and a lane
+constexpr int64_t kMinBytes = 16 << 20;  // smaller products keep matvec_kernel (their blocks fit beside others)
+
+// Dynamic shared memory of `slots` slots: payloads, then scales, then each slot's full and empty barriers, then
+// float part[the block's rows][K / 2048 or 1], each row's sums by the warps that share it.
+__host__ __device__ constexpr int scales_at(int slots) { return slots * kSlotBytes; }
+__host__ __device__ constexpr int barriers_at(int slots) { return slots * (kSlotBytes + kSlotScaleBytes); }
+__host__ __device__ constexpr int part_at(int slots) { return barriers_at(slots) + 2 * kMaxSlots * 8; }
+
+// A place in the ring: the slot and the parity of its current phase; `reused` once the ring has wrapped.
+struct Place {
+    int slot = 0;
+    uint32_t phase = 0;
+    bool reused = false;
+    __device__ __forceinline__ void next(int slots) {
+        if (++slot == slots) {
+            slot = 0;
+            phase ^= 1u;
+            reused = true;
+        }
+    }
+};
+
+}  // namespace ring
+
+struct RingArgs {
+    const uint8_t * payload;  // [rows][K] Q8_0 codes (the upload layout's payload)
+    const uint16_t * scales;  // [rows][K / 32] f16
+    const uint8_t * xq;       // Q8A activation rows, one per group (act_row_bytes(q8a, K) apart): codes, then scales
+    float * y;                // [rows]: y = add + W x, groups' rows one after another
+    const float * add;        // or null
+    int rows, group_rows;
+    int slots;  // 1..ring::kMaxSlots
+};
+
+template <int K>
+__global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const RingArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using namespace ring;
+    constexpr int kUnitsPerRow = K / 16, kPer = kSlotBytes / K;
+    constexpr int kRowsPerWarp = kUnitsPerRow < kWarpUnits ? kWarpUnits / kUnitsPerRow : 1;  // 2 at K = 1024
+    constexpr int kParts = kUnitsPerRow > kWarpUnits ? kUnitsPerRow / kWarpUnits : 1;        // warps a row
+    static_assert(kRowsPerWarp <= 2 && kUnitsPerRow % 32 == 0, "a lane's units lie in one row");
+    extern __shared__ __align__(128) uint8_t smem_raw[];
+    const int slots = a.slots;
+    int4 * slot_payload = reinterpret_cast<int4 *>(smem_raw);                       // [slots][kSlotBytes / 16]
+    int4 * slot_scales = reinterpret_cast<int4 *>(smem_raw + scales_at(slots));     // [slots][kSlotScaleBytes / 16]
+    uint64_t * full = reinterpret_cast<uint64_t *>(smem_raw + barriers_at(slots));  // [slots]
+    uint64_t * empty = full + kMaxSlots;                                            // [slots]
+    float * part = reinterpret_cast<float *>(smem_raw + part_at(slots));
+    const int b = int(blockIdx.x), blocks = int(gridDim.x);
+    const int r0 = int(int64_t(a.rows) * b / blocks), r1 = int(int64_t(a.rows) * (b + 1) / blocks);
+    if (threadIdx.x == 0) {
+        mbarriers_init(full, slots);                    // the producer's arrival with the copies' bytes
+        mbarriers_init(empty, slots, kConsumers / 32);  // each consumer warp's
+    }
+    __syncthreads();
+    if (threadIdx.x >= kConsumers) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        if (threadIdx.x != kConsumers) return;
+        Place at;
+        for (int r = r0; r < r1; r += kPer, at.next(slots)) {
+            if (at.reused) mbarrier_wait(&empty[at.slot], at.phase ^ 1u);
+            const uint32_t n = uint32_t(min(kPer, r1 - r)), payload = n * K, scales = n * (K / 16);
+            mbarrier_expect_bytes(&full[at.slot], payload + scales);
+            bulk_copy(slot_payload + at.slot * (kSlotBytes / 16), a.payload + size_t(r) * K, payload, &full[at.slot]);
+            bulk_copy(slot_scales + at.slot * (kSlotScaleBytes / 16), a.scales + size_t(r) * (K / 32), scales,
+                      &full[at.slot]);
+        }
+        return;
+    }
+    pdl_begin();
+    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+    const int first_unit = warp * kWarpUnits;
+    const int row = first_unit / kUnitsPerRow, base = first_unit % kUnitsPerRow;  // the warp's row and column in a slot
+    int4 x[kUnits];    // the lane's activation codes: unit j is column (base + 32 j) % kUnitsPerRow + lane of its row
+    float xd[kUnits];  // and their scales
+    int group = -1;    // the group they are of
+    Place at;
+    for (int r = r0; r < r1; r += kPer, at.next(slots)) {
+        const int slot = at.slot;
+        mbarrier_wait(&full[slot], at.phase);
+        if (row < min(kPer, r1 - r)) {
+            const int g = a.group_rows == a.rows ? 0 : (r + row) / a.group_rows;  // both rows' at K = 1024 (one group)
+            if (g != group) {
+                group = g;
+                const uint8_t * xrow = a.xq + size_t(g) * act_row_bytes(Act::q8a, K);
+#pragma unroll
+                for (int j = 0; j < kUnits; ++j) {
+                    const int col = (base + 32 * j) % kUnitsPerRow + lane;
+                    x[j] = act_chunk(reinterpret_cast<const int8_t *>(xrow), col);
+                    xd[j] = reinterpret_cast<const float *>(xrow + K)[col >> 1];
+                }
+            }
+            // Unit u of the slot holds columns of block u / 2 of the slot's rows, whose scale is the slot's u / 2.
+            const int4 * w = slot_payload + slot * (kSlotBytes / 16) + first_unit + lane;
+            const uint16_t * wd = reinterpret_cast<const uint16_t *>(slot_scales + slot * (kSlotScaleBytes / 16)) +
+                                  (first_unit + lane) / 2;
+            float sum[kRowsPerWarp] = {};
+#pragma unroll
+            for (int j = 0; j < kUnits; ++j)
+                sum[(base + 32 * j) / kUnitsPerRow] +=
+                    float(dp4(w[32 * j], x[j], 0)) * (xd[j] * f16_bits_to_f32(wd[16 * j]));
+            // Two rows reduce in five shuffles: the first level trades halves, so that lanes 0-15 then hold the first
+            // row's sums and lanes 16-31 the second's.
+            float v = sum[0];
+            if constexpr (kRowsPerWarp == 2) {
+                const bool upper = (lane & 16) != 0;
+                v = (upper ? sum[1] : sum[0]) + __shfl_xor_sync(kFull, upper ? sum[0] : sum[1], 16);
+            }
+#pragma unroll
+            for (int o = kRowsPerWarp == 2 ? 8 : 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+            const int local = r - r0 + row;
+            if (lane == 0) part[local * kParts + base / kWarpUnits] = v;
+            if (kRowsPerWarp == 2 && lane == 16) part[local + 1] = v;
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&empty[slot]);
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");  // the consumers' rows are all in part
+    for (int i = int(threadIdx.x); i < r1 - r0; i += kConsumers) {
+        float v = 0.0f;
+#pragma unroll
+        for (int q = 0; q < kParts; ++q) v += part[i * kParts + q];
+        a.y[r0 + i] = a.add ? a.add[r0 + i] + v : v;
+    }
+#endif
+}
+
+// Slots of the ring: DSV4_CUDA_RING_SLOTS (1 to 6, default 6).
+int ring_slots() {
+    static const int slots = [] {
+        const char * e = std::getenv("DSV4_CUDA_RING_SLOTS");
+        const int v = e ? std::atoi(e) : 0;
+        return v >= 1 && v <= ring::kMaxSlots ? v : ring::kMaxSlots;
+    }();
+    return slots;
+}
+
+// The ring kernel's dynamic shared memory for rows split over `blocks`.
+size_t ring_smem(int64_t rows, int64_t k, int blocks, int slots) {
+    const int64_t per_block = (rows + blocks - 1) / blocks + 1;
+    return size_t(ring::part_at(slots)) + size_t(per_block * std::max<int64_t>(1, k / 2048)) * sizeof(float);
+}
+
+// Whether a product runs on ring_matvec_kernel: one token, one Q8_0 target of at least kMinBytes, K of 1024 (one
+// group: a warp's two rows must share it) to 8192, its activations quantized, on sm_90 or later with the carveout.
+// DSV4_CUDA_RING=0 keeps matvec_kernel.
+bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
+    static const bool enabled = [] {
+        const char * e = std::getenv("DSV4_CUDA_RING");
+        return !e || std::strcmp(e, "0") != 0;
+    }();
+    if (!enabled || !a.ring || a.n_targets != 1 || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu ||
+        !a.xq[0])
+        return false;
+    const MatvecTarget & t = a.t[0];
+    const int64_t k = t.w.ne0, rows = t.rows * a.groups;
+    if (t.w.type != GgmlType::Q8_0 || (k != 1024 && k != 2048 && k != 4096 && k != 8192) ||
+        (k == 1024 && a.groups != 1) || rows * k < ring::kMinBytes || rows > INT_MAX)
+        return false;
+    return device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) >= 9 &&
+           ring_smem(rows, k, device_sms(), ring_slots()) <= device_smem_optin();
+}
+
+void ring_matvec(const MatvecArgs & a, cudaStream_t s) {
+    const MatvecTarget & t = a.t[0];
+    const int64_t k = t.w.ne0;
+    const RingArgs r{t.w.data,    reinterpret_cast<const uint16_t *>(t.w.data + t.w.n_blocks * 32),
+                     a.xq[0],     t.y,
+                     t.add,       int(t.rows * a.groups),
+                     int(t.rows), ring_slots()};
+    const int blocks = device_sms();
+    const size_t smem = ring_smem(r.rows, k, blocks, r.slots);
+    const dim3 grid{unsigned(blocks)}, block{unsigned(ring::kThreads)};
+    switch (k) {
+        case 1024:
+            return launch(ring_matvec_kernel<1024>, grid, block, smem, s, r);
+        case 2048:
+            return launch(ring_matvec_kernel<2048>, grid, block, smem, s, r);
+        case 4096:
+            return launch(ring_matvec_kernel<4096>, grid, block, smem, s, r);
+        default:
+            return launch(ring_matvec_kernel<8192>, grid, block, smem, s, r);
+    }
+}
+
 // One token's IQ2_XXS routed gate/up products and the shared expert's Q8_0 down projection in one launch
 // (moe_shared). Blocks of grid row 0 run the shared rows; row y > 0 runs routed pair y - 1 as matvec_kernel would.
 // A shared block quantizes swiglu(gate, up) into shared memory itself (2 KB of codes for V4's 2048-wide rows), so
@@ -1180,6 +1388,7 @@ int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
 
 void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) {
     if (max_tiles <= 0 || args.n_targets <= 0) return;
+    if (ring_applies(args, max_tiles)) return ring_matvec(args, s);
     // One launch when every target has one type, or for the quantized files' Q8_0 + F16 mix (float rows then
     // need 16-byte loads); otherwise one launch per type.
     bool one_type = true, mix = !args.glu, has_q8 = false, has_f16 = false;
