@@ -12,7 +12,8 @@
 // repeats the work of the whole row.) Long rows at decode (float rows, 8192-wide Q8_0) and few rows (small
 // projections) split K over the warps of a row group instead. Before waiting for the previous kernel
 // (programmatic dependent launch), a block of a plain product prefetches its first weight rows into L2: weights
-// never change, so their streaming overlaps the tail of whatever ran before.
+// never change, so their streaming overlaps the tail of whatever ran before. One token's large Q8_0 products take
+// the ring kernel instead (below), whose blocks stream their rows into shared memory before that wait.
 #include "backend/cuda/common.cuh"
 
 #include <algorithm>
