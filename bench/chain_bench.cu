@@ -128,20 +128,14 @@ struct Shared {
 // The producer: the block's rows of products [first, last) into the ring, in order.
 __device__ void produce(const Chain & c, int first, int last, int slots, Shared & s) {
     const int b = int(blockIdx.x), blocks = int(gridDim.x);
-    // No division a chunk: one thread on a scheduler that four spinning consumer warps share issues every copy.
-    int it = 0, slot = 0;
-    uint32_t phase = 0;
+    RingPlace at;
     for (int i = first; i < last; ++i) {
         const Product & p = c.p[i];
         const int r0 = row_begin(p.rows, b, blocks), r1 = row_begin(p.rows, b + 1, blocks);
         const int k_shift = __ffs(p.k) - 1, per = kSlotBytes >> k_shift;
-        for (int r = r0; r < r1; r += per, ++it) {
-            if (it > 0 && ++slot == slots) {
-                slot = 0;
-                phase ^= 1u;
-            }
-            const int n = min(per, r1 - r);
-            if (it >= slots) mbarrier_wait(&s.empty[slot], phase ^ 1u);
+        for (int r = r0; r < r1; r += per, at.next(slots)) {
+            const int slot = at.slot, n = min(per, r1 - r);
+            if (at.reused) mbarrier_wait(&s.empty[slot], at.phase ^ 1u);
             const uint32_t payload = uint32_t(n) << k_shift, scales = uint32_t(n) << (k_shift - 4);
             if (c.probe == kNoCopies) {
                 mbarrier_arrive(&s.full[slot]);
@@ -218,21 +212,17 @@ __device__ void quantize_input(const void * x, int begin, int span, unsigned epo
 constexpr int kWarpUnits = kSlotBytes / 16 / (kConsumers / 32);  // 16-byte units a warp takes of a full chunk
 constexpr int kUnits = kWarpUnits / 32;                          // and a lane
 
-// The consumers' place in the ring: chunks taken, and the current one's slot and phase.
+// The consumers' place in the ring, across products: next() waits until the current chunk's slot has landed,
+// release() gives it back and moves on.
 struct Ring {
-    int slots, it = 0, slot = 0;
-    uint32_t phase = 0;
-    // The next chunk's slot, once it has landed.
-    __device__ __forceinline__ void next(Shared & s) {
-        if (it++ > 0 && ++slot == slots) {
-            slot = 0;
-            phase ^= 1u;
-        }
-        mbarrier_wait(&s.full[slot], phase);
-    }
+    int slots;
+    RingPlace at;
+    __device__ __forceinline__ int slot() const { return at.slot; }
+    __device__ __forceinline__ void next(Shared & s) { mbarrier_wait(&s.full[at.slot], at.phase); }
     __device__ __forceinline__ void release(Shared & s) {
         __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbarrier_arrive(&s.empty[slot]);
+        if ((threadIdx.x & 31) == 0) mbarrier_arrive(&s.empty[at.slot]);
+        at.next(slots);
     }
 };
 
@@ -249,14 +239,14 @@ __device__ void rows_units(const Chain & c, const Product & p, int r0, int r1, i
         const int first_unit = warp * kWarpUnits;
         ring.next(s);
         if (first_unit < n * units_per_row && c.probe != kNoCompute) {
-            const uint16_t * scales = reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot]);
+            const uint16_t * scales = reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot()]);
             const int row = first_unit >> row_shift;  // of the chunk; the first of two when k = 1024
             const int in = p.group_rows == p.rows ? 0 : (r + row) / p.group_rows - g0;
             float sum0 = 0.0f, sum1 = 0.0f;  // the first row's, the second's
 #pragma unroll
             for (int j = 0; j < kUnits; ++j) {
                 const int u = first_unit + lane + 32 * j, col = u & (units_per_row - 1);
-                const int4 w = s.slot[ring.slot][u];
+                const int4 w = s.slot[ring.slot()][u];
                 const int4 a = s.xq[in * units_per_row + col];
                 int dot = __dp4a(w.x, a.x, 0);
                 dot = __dp4a(w.y, a.y, dot);
@@ -313,9 +303,9 @@ __device__ void rows_registers(const Chain & c, const Product & p, int r0, int r
                     ad[j] = s.xd[(in * kUnitsPerRow + col) / 2];
                 }
             }
-            const int4 * w = &s.slot[ring.slot][first_unit + lane];
+            const int4 * w = &s.slot[ring.slot()][first_unit + lane];
             const uint16_t * scales =
-                reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot]) + (first_unit + lane) / 2;
+                reinterpret_cast<const uint16_t *>(s.slot_scales[ring.slot()]) + (first_unit + lane) / 2;
             float sum[kRows] = {};
 #pragma unroll
             for (int j = 0; j < kUnits; ++j) {

@@ -139,6 +139,7 @@ class CudaBackend final : public Backend {
         check(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming), "cudaEventCreate(branch)");
         check(cudaEventCreateWithFlags(&branch_done_, cudaEventDisableTiming), "cudaEventCreate(branch)");
         branches_enabled_ = env_switch("DSV4_CUDA_BRANCH", true);
+        ring_enabled_ = env_switch("DSV4_CUDA_RING", true);
         for (int i = 0; i < 2; ++i) {
             check(cudaEventCreateWithFlags(&moe_decoded_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
             check(cudaEventCreateWithFlags(&moe_read_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
@@ -1203,7 +1204,7 @@ class CudaBackend final : public Backend {
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
         const ActPlan plan = act_plan(a, k);
         if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
-        a.ring = !branch_pending_ && !origin_;
+        a.ring = ring_enabled_ && !branch_pending_ && !origin_;
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
     }
@@ -1404,6 +1405,7 @@ class CudaBackend final : public Backend {
     bool in_branch_ = false;         // between begin_branch and end_branch
     bool branch_pending_ = false;    // branch_ has work stream_ has not joined
     bool branches_enabled_ = true;
+    bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large Q8_0 products on the ring kernel (matvec.cu)
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;

@@ -105,8 +105,9 @@ struct MatvecArgs {
     const uint8_t * xq[2] = {nullptr, nullptr};
     const uint16_t * x_f16 = nullptr;  // gemm only: the activations as f16 bits, same layout as x
     // One token's large Q8_0 product may take the ring kernel (matvec.cu), whose blocks fill the multiprocessors'
-    // shared memory: not beside a branch, whose kernels would then wait for them.
-    bool ring = true;
+    // shared memory. The backend allows it for its plain products, unless DSV4_CUDA_RING=0, and never beside a
+    // branch, whose kernels would then wait for them.
+    bool ring = false;
 };
 // max_tiles: the grid's tile count (plain: ceil(n / tile)); tile_tokens: tokens per tile (1..kMaxTileTokens).
 // Targets of several weight types run in one launch when the kernel for that mix exists (Q8_0 with F16: the

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <type_traits>
 
 namespace dsv4::cuda {
@@ -827,20 +826,6 @@ __host__ __device__ constexpr int scales_at(int slots) { return slots * kSlotByt
 __host__ __device__ constexpr int barriers_at(int slots) { return slots * (kSlotBytes + kSlotScaleBytes); }
 __host__ __device__ constexpr int part_at(int slots) { return barriers_at(slots) + 2 * kMaxSlots * 8; }
 
-// A place in the ring: the slot and the parity of its current phase; `reused` once the ring has wrapped.
-struct Place {
-    int slot = 0;
-    uint32_t phase = 0;
-    bool reused = false;
-    __device__ __forceinline__ void next(int slots) {
-        if (++slot == slots) {
-            slot = 0;
-            phase ^= 1u;
-            reused = true;
-        }
-    }
-};
-
 }  // namespace ring
 
 struct RingArgs {
@@ -878,7 +863,7 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
     if (threadIdx.x >= kConsumers) {
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
         if (threadIdx.x != kConsumers) return;
-        Place at;
+        RingPlace at;
         for (int r = r0; r < r1; r += kPer, at.next(slots)) {
             if (at.reused) mbarrier_wait(&empty[at.slot], at.phase ^ 1u);
             const uint32_t n = uint32_t(min(kPer, r1 - r)), payload = n * K, scales = n * (K / 16);
@@ -896,7 +881,7 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
     int4 x[kUnits];    // the lane's activation codes: unit j is column (base + 32 j) % kUnitsPerRow + lane of its row
     float xd[kUnits];  // and their scales
     int group = -1;    // the group they are of
-    Place at;
+    RingPlace at;
     for (int r = r0; r < r1; r += kPer, at.next(slots)) {
         const int slot = at.slot;
         mbarrier_wait(&full[slot], at.phase);
@@ -964,15 +949,10 @@ size_t ring_smem(int64_t rows, int64_t k, int blocks, int slots) {
 }
 
 // Whether a product runs on ring_matvec_kernel: one token, one Q8_0 target of at least kMinBytes, K of 1024 (one
-// group: a warp's two rows must share it) to 8192, its activations quantized, on sm_90 or later with the carveout.
-// DSV4_CUDA_RING=0 keeps matvec_kernel.
+// group: a warp's two rows must share it) to 8192, its activations quantized, on sm_90 or later with the carveout,
+// where the caller allows it (MatvecArgs::ring).
 bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
-    static const bool enabled = [] {
-        const char * e = std::getenv("DSV4_CUDA_RING");
-        return !e || std::strcmp(e, "0") != 0;
-    }();
-    if (!enabled || !a.ring || a.n_targets != 1 || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu ||
-        !a.xq[0])
+    if (!a.ring || a.n_targets != 1 || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu || !a.xq[0])
         return false;
     const MatvecTarget & t = a.t[0];
     const int64_t k = t.w.ne0, rows = t.rows * a.groups;

@@ -51,3 +51,19 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t * bar, uint32_t parity) {
             : "memory");
     } while (!done);
 }
+
+// A place in a ring of `slots` shared-memory slots, each with a full and an empty mbarrier: the slot, the parity of
+// its current phase, and whether the ring has wrapped (a producer then waits for the slot's consumers first). No
+// division a step: a producer thread issues every copy on a scheduler it shares with consumer warps.
+struct RingPlace {
+    int slot = 0;
+    uint32_t phase = 0;
+    bool reused = false;
+    __device__ __forceinline__ void next(int slots) {
+        if (++slot == slots) {
+            slot = 0;
+            phase ^= 1u;
+            reused = true;
+        }
+    }
+};
