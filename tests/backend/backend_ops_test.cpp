@@ -362,8 +362,12 @@ TEST(Ops, MatmulTilesDecodeWeightsExactly) {
     }
 }
 
-// One token's large Q8_0 products, which take the ring kernel on sm_90 (matvec.cu: at least 16 MB, K of 1024 to
-// 8192): each K, with rows that the blocks do not divide evenly (the small_smem variant runs them on matvec_kernel).
+// One token's large Q8_0 and F16 products, which take the ring kernel on sm_90 (matvec.cu: at least 16 MB in one
+// launch, K of 1024 to 8192): each K, with rows that the blocks do not divide evenly, alone and as several products
+// of one input streamed one after another (segments, Q8_0 then F16: the FFN's router and shared gate/up; an odd
+// Q8_0 segment at K = 1024, whose last warp's second row is the next segment's; fewer rows than blocks). Their
+// weights are uploaded right before the product, as session 50 found the producer reading a weight whose upload was
+// still running. The small_smem variant runs them on matvec_kernel.
 TEST(Ops, MatmulRing) {
     for (auto [in, out] : {std::pair<int64_t, int64_t>{1024, 32768}, {2048, 12000}, {4096, 6001}, {8192, 4096}}) {
         Store s;
@@ -373,6 +377,31 @@ TEST(Ops, MatmulRing) {
         gpu().matmul(w.g, x.g, y.g);
         cpu(true).matmul(w.c, x.c, y.c);
         compare("matmul q8_0 " + shape(w.c) + " n=1 vs cpu", y, 1e-4);
+    }
+    struct Case {
+        int64_t in;
+        std::vector<std::pair<GgmlType, int64_t>> targets;
+    };
+    const GgmlType q8 = GgmlType::Q8_0, f16 = GgmlType::F16;
+    for (const Case & c :
+         {Case{4096, {{f16, 256}, {q8, 2048}, {q8, 2048}}}, Case{1024, {{q8, 8191}, {q8, 3001}, {f16, 3333}}},
+          Case{2048, {{f16, 4100}, {q8, 123}}}, Case{8192, {{f16, 1000}, {q8, 77}}}}) {
+        Store s;
+        const Both x = s.values(randn(size_t(c.in)), c.in, 1);
+        std::vector<Both> ws, ys;
+        std::vector<MatmulTarget> tg, tc;
+        for (auto [type, out] : c.targets) {
+            ws.push_back(s.weight(type, c.in, out));
+            ys.push_back(s.out(GgmlType::F32, out, 1));
+            tg.push_back({ws.back().g, ys.back().g});
+            tc.push_back({ws.back().c, ys.back().c});
+        }
+        gpu().matmul_many(x.g, tg);
+        cpu(true).matmul_many(x.c, tc);
+        for (size_t i = 0; i < ys.size(); ++i)
+            compare("matmul_many n=1 target " + std::to_string(i) + " " + std::string(type_name(c.targets[i].first)) +
+                        " " + shape(ws[i].c) + " vs cpu",
+                    ys[i], 1e-4);
     }
 }
 

@@ -263,6 +263,7 @@ class CudaBackend final : public Backend {
         }
         uploaded_ += bytes;
         upload_seconds_ += timer.seconds();
+        upload_pending_ = true;
         if (uploaded_ / (size_t(8) << 30) != (uploaded_ - bytes) / (size_t(8) << 30))
             log_info("cuda: {:.1f} GB of weights uploaded ({:.2f} GB/s)", double(uploaded_) / 1e9,
                      double(uploaded_) / 1e9 / std::max(upload_seconds_, 1e-9));
@@ -961,6 +962,7 @@ class CudaBackend final : public Backend {
         quantize_acts(proj, plan, dim, base);
         g.xq[0] = proj.xq[0];
         g.xq[1] = proj.xq[1];
+        proj.ring = ring_allowed();
         cuda::matvec(proj, 1, 1, stream_);
         launched("moe_ffn projections");
         cuda::router(f.logits.f32(), f.bias ? f.bias.f32() : nullptr, f.tid2eid ? f.tid2eid.i32() : nullptr,
@@ -1178,6 +1180,20 @@ class CudaBackend final : public Backend {
         cuda::matvec_quantize(jobs, n_jobs, stream_);
     }
 
+    // Whether a one-token product may take the ring kernel (MatvecArgs::ring): not beside a branch, whose kernels
+    // would wait for its blocks. Its producer reads weights before the PDL wait, and an upload's repack kernel lets
+    // the kernels after it start early (a chain of them, each starting before the one before has finished), so an
+    // upload still on the stream must finish first; inside a capture the products keep matvec_kernel instead.
+    bool ring_allowed() {
+        if (!ring_enabled_ || branch_pending_ || origin_) return false;
+        if (upload_pending_) {
+            if (capturing_) return false;
+            check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (uploads before the ring)");
+            upload_pending_ = false;
+        }
+        return true;
+    }
+
     // Quantizes the activations once per kind the targets need (quantized weights), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
         if (a.n <= 0) return;
@@ -1204,7 +1220,7 @@ class CudaBackend final : public Backend {
         for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
         const ActPlan plan = act_plan(a, k);
         if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
-        a.ring = ring_enabled_ && !branch_pending_ && !origin_;
+        a.ring = ring_allowed();
         cuda::matvec(a, (a.n + nt - 1) / nt, nt, stream_);
         launched("matmul");
     }
@@ -1405,7 +1421,8 @@ class CudaBackend final : public Backend {
     bool in_branch_ = false;         // between begin_branch and end_branch
     bool branch_pending_ = false;    // branch_ has work stream_ has not joined
     bool branches_enabled_ = true;
-    bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large Q8_0 products on the ring kernel (matvec.cu)
+    bool upload_pending_ = false;      // weights uploaded since the stream last synchronized (ring_allowed)
+    bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large products on the ring kernel (matvec.cu)
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;

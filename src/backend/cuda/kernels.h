@@ -104,9 +104,10 @@ struct MatvecArgs {
     // Needed by every quantized weight type (matvec_needs_quantized); float weights read x.
     const uint8_t * xq[2] = {nullptr, nullptr};
     const uint16_t * x_f16 = nullptr;  // gemm only: the activations as f16 bits, same layout as x
-    // One token's large Q8_0 product may take the ring kernel (matvec.cu), whose blocks fill the multiprocessors'
-    // shared memory. The backend allows it for its plain products, unless DSV4_CUDA_RING=0, and never beside a
-    // branch, whose kernels would then wait for them.
+    // One token's large Q8_0 and F16 products may take the ring kernel (matvec.cu), whose blocks fill the
+    // multiprocessors' shared memory and read weights before the PDL wait. The backend allows it (ring_allowed)
+    // unless DSV4_CUDA_RING=0, never beside a branch, whose kernels would then wait for them, nor before the
+    // weights it uploaded have landed.
     bool ring = false;
 };
 // max_tiles: the grid's tile count (plain: ceil(n / tile)); tile_tokens: tokens per tile (1..kMaxTileTokens).

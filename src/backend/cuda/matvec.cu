@@ -798,54 +798,64 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// One token's large Q8_0 products through a ring of shared-memory slots (decode)
+// One token's large products through a ring of shared-memory slots (decode)
 // ---------------------------------------------------------------------------------------------------------------------
-// One block a multiprocessor. Its producer thread copies the block's rows (payload and f16 scales, whole rows a slot)
-// into a ring of 32 KB slots with bulk copies from the kernel's first instruction: weights never change, so under
-// PDL they stream while the kernel before still runs, and a slot's copy never waits on a load a warp issues.
-// Sixteen consumer warps wait for the kernel before, load the activation codes their lanes multiply into registers
-// (a lane reads the same columns of every row its warp takes, so K is a template parameter and every index a
-// constant offset), take the slots as they land and leave each row's partial sums in shared memory; the block
-// stores its rows at the end. dsv4-chain-bench measured the design on a layer's dense products ("Session 49" of
-// docs/cuda.md): a chain of them launched this way streams at 2.6 TB/s against 2.2-2.3 for session 48's consumer.
-// sm_90 and up (bulk copies, transaction-counted mbarriers) with a 227 KB carveout; elsewhere matvec_kernel runs.
+// One block a multiprocessor. Its producer thread copies the block's rows (whole rows a slot: Q8_0 payload and f16
+// scales, or f16 rows) into a ring of 32 KB slots with bulk copies from the kernel's first instruction: weights
+// never change, so under PDL they stream while the kernel before still runs, and a slot's copy never waits on a load
+// a warp issues. Sixteen consumer warps wait for the kernel before, load the activations their lanes multiply into
+// registers (a lane reads the same columns of every row its warp takes, so K is a template parameter and every
+// index a constant offset), take the slots as they land and leave each row's partial sums in shared memory; the
+// block stores its rows at the end. A launch takes up to kMaxTargets products of one input one after another
+// (segments: the Q8_0 ones, then the F16 ones, each split over all blocks, so every block streams about the same
+// bytes): the attention's projections of a compressed layer and the FFN's router and shared gate/up stream as one.
+// dsv4-chain-bench measured the design on a layer's dense products ("Session 49" of docs/cuda.md): a chain of them
+// launched this way streams at 2.6 TB/s against 2.2-2.3 for session 48's consumer. sm_90 and up (bulk copies,
+// transaction-counted mbarriers) with a 227 KB carveout; elsewhere matvec_kernel runs.
 namespace ring {
 
 constexpr int kConsumers = 512;            // sixteen warps
 constexpr int kThreads = kConsumers + 32;  // and the producer's warp
 constexpr int kMaxSlots = 6;
-constexpr int kSlotBytes = 32 << 10;                             // whole rows: K divides it
-constexpr int kSlotScaleBytes = kSlotBytes / 16;                 // their f16 scales, 2 bytes a block of 32
+constexpr int kSlotBytes = 32 << 10;                             // whole rows: a row's bytes divide it
+constexpr int kSlotScaleBytes = kSlotBytes / 16;                 // Q8_0 rows' f16 scales, 2 bytes a block of 32
 constexpr int kWarpUnits = kSlotBytes / 16 / (kConsumers / 32);  // 16-byte units a warp takes of a full slot
 constexpr int kUnits = kWarpUnits / 32;                          // and a lane
-constexpr int64_t kMinBytes = 16 << 20;  // smaller products keep matvec_kernel (their blocks fit beside others)
+
+// Warps that share one row of K values of `row_bytes` bytes (their partial sums a row).
+__host__ __device__ constexpr int parts(int row_bytes) {
+    return row_bytes / 16 > kWarpUnits ? row_bytes / 16 / kWarpUnits : 1;
+}
 
 // Dynamic shared memory of `slots` slots: payloads, then scales, then each slot's full and empty barriers, then
-// float part[the block's rows][K / 2048 or 1], each row's sums by the warps that share it.
+// float part[the block's rows of every segment][parts], each row's sums by the warps that share it.
 __host__ __device__ constexpr int scales_at(int slots) { return slots * kSlotBytes; }
 __host__ __device__ constexpr int barriers_at(int slots) { return slots * (kSlotBytes + kSlotScaleBytes); }
 __host__ __device__ constexpr int part_at(int slots) { return barriers_at(slots) + 2 * kMaxSlots * 8; }
 
 }  // namespace ring
 
-struct RingArgs {
-    const uint8_t * payload;  // [rows][K] Q8_0 codes (the upload layout's payload)
-    const uint16_t * scales;  // [rows][K / 32] f16
-    const uint8_t * xq;       // Q8A activation rows, one per group (act_row_bytes(q8a, K) apart): codes, then scales
-    float * y;                // [rows]: y = add + W x, groups' rows one after another
+struct RingSegment {
+    const uint8_t * payload;  // Q8_0: [rows][K] codes (the upload layout's payload); F16: [rows][K] f16
+    const uint16_t * scales;  // Q8_0: [rows][K / 32] f16; F16: null
+    float * y;                // [rows]: y = add + W x, a grouped product's groups one after another
     const float * add;        // or null
-    int rows, group_rows;
-    int slots;  // 1..ring::kMaxSlots
+    int rows;
+};
+
+struct RingArgs {
+    RingSegment seg[kMaxTargets];  // the Q8_0 products [0, n_q8), then the F16 ones [n_q8, n_seg)
+    int n_q8, n_seg;
+    const uint8_t * xq;  // Q8A activation rows, one per group (act_row_bytes(q8a, K) apart): codes, then scales
+    const float * x;     // [K] f32 activations (F16 products; one group)
+    int group_rows;      // a grouped product's rows of one group (it is one Q8_0 segment), else 0
+    int slots;           // 1..ring::kMaxSlots
 };
 
 template <int K>
 __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const RingArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     using namespace ring;
-    constexpr int kUnitsPerRow = K / 16, kPer = kSlotBytes / K;
-    constexpr int kRowsPerWarp = kUnitsPerRow < kWarpUnits ? kWarpUnits / kUnitsPerRow : 1;  // 2 at K = 1024
-    constexpr int kParts = kUnitsPerRow > kWarpUnits ? kUnitsPerRow / kWarpUnits : 1;        // warps a row
-    static_assert(kRowsPerWarp <= 2 && kUnitsPerRow % 32 == 0, "a lane's units lie in one row");
     extern __shared__ __align__(128) uint8_t smem_raw[];
     const int slots = a.slots;
     int4 * slot_payload = reinterpret_cast<int4 *>(smem_raw);                       // [slots][kSlotBytes / 16]
@@ -854,7 +864,8 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
     uint64_t * empty = full + kMaxSlots;                                            // [slots]
     float * part = reinterpret_cast<float *>(smem_raw + part_at(slots));
     const int b = int(blockIdx.x), blocks = int(gridDim.x);
-    const int r0 = int(int64_t(a.rows) * b / blocks), r1 = int(int64_t(a.rows) * (b + 1) / blocks);
+    // The block's rows of segment s: [first_row(s, b), first_row(s, b + 1)).
+    auto first_row = [&](int s, int block) { return int(int64_t(a.seg[s].rows) * block / blocks); };
     if (threadIdx.x == 0) {
         mbarriers_init(full, slots);                    // the producer's arrival with the copies' bytes
         mbarriers_init(empty, slots, kConsumers / 32);  // each consumer warp's
@@ -864,70 +875,136 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
         if (threadIdx.x != kConsumers) return;
         RingPlace at;
-        for (int r = r0; r < r1; r += kPer, at.next(slots)) {
-            if (at.reused) mbarrier_wait(&empty[at.slot], at.phase ^ 1u);
-            const uint32_t n = uint32_t(min(kPer, r1 - r)), payload = n * K, scales = n * (K / 16);
-            mbarrier_expect_bytes(&full[at.slot], payload + scales);
-            bulk_copy(slot_payload + at.slot * (kSlotBytes / 16), a.payload + size_t(r) * K, payload, &full[at.slot]);
-            bulk_copy(slot_scales + at.slot * (kSlotScaleBytes / 16), a.scales + size_t(r) * (K / 32), scales,
-                      &full[at.slot]);
+        for (int s = 0; s < a.n_seg; ++s) {
+            const bool q8 = s < a.n_q8;
+            const int row_bytes = q8 ? K : 2 * K, per = q8 ? kSlotBytes / K : kSlotBytes / (2 * K);
+            const int r1 = first_row(s, b + 1);
+            for (int r = first_row(s, b); r < r1; r += per, at.next(slots)) {
+                if (at.reused) mbarrier_wait(&empty[at.slot], at.phase ^ 1u);
+                const uint32_t n = uint32_t(min(per, r1 - r)), payload = n * row_bytes, scales = q8 ? n * (K / 16) : 0;
+                mbarrier_expect_bytes(&full[at.slot], payload + scales);
+                bulk_copy(slot_payload + at.slot * (kSlotBytes / 16), a.seg[s].payload + size_t(r) * row_bytes, payload,
+                          &full[at.slot]);
+                if (q8)
+                    bulk_copy(slot_scales + at.slot * (kSlotScaleBytes / 16), a.seg[s].scales + size_t(r) * (K / 32),
+                              scales, &full[at.slot]);
+            }
         }
         return;
     }
     pdl_begin();
     const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
     const int first_unit = warp * kWarpUnits;
-    const int row = first_unit / kUnitsPerRow, base = first_unit % kUnitsPerRow;  // the warp's row and column in a slot
-    int4 x[kUnits];    // the lane's activation codes: unit j is column (base + 32 j) % kUnitsPerRow + lane of its row
-    float xd[kUnits];  // and their scales
-    int group = -1;    // the group they are of
     RingPlace at;
-    for (int r = r0; r < r1; r += kPer, at.next(slots)) {
-        const int slot = at.slot;
-        mbarrier_wait(&full[slot], at.phase);
-        if (row < min(kPer, r1 - r)) {
-            const int g = a.group_rows == a.rows ? 0 : (r + row) / a.group_rows;  // both rows' at K = 1024 (one group)
-            if (g != group) {
-                group = g;
-                const uint8_t * xrow = a.xq + size_t(g) * act_row_bytes(Act::q8a, K);
+    int part_off = 0;  // where the segment's rows begin in part (floats)
+    {
+        // Q8_0 rows: 16 codes a unit, a warp's units within one row or, at K = 1024, two.
+        constexpr int kUnitsPerRow = K / 16, kPer = kSlotBytes / K, kParts = parts(K);
+        constexpr int kRowsPerWarp = kUnitsPerRow < kWarpUnits ? kWarpUnits / kUnitsPerRow : 1;  // 2 at K = 1024
+        static_assert(kRowsPerWarp <= 2 && kUnitsPerRow % 32 == 0, "a lane's units lie in one row");
+        const int row = first_unit / kUnitsPerRow, base = first_unit % kUnitsPerRow;  // the warp's place in a slot
+        int4 x[kUnits];    // the lane's codes: unit j is column (base + 32 j) % kUnitsPerRow + lane of its row
+        float xd[kUnits];  // and their scales
+        int group = -1;    // the group they are of
+        for (int s = 0; s < a.n_q8; ++s) {
+            const int r0 = first_row(s, b), r1 = first_row(s, b + 1);
+            for (int r = r0; r < r1; r += kPer, at.next(slots)) {
+                const int slot = at.slot, n = min(kPer, r1 - r);
+                mbarrier_wait(&full[slot], at.phase);
+                if (row < n) {
+                    const int g = a.group_rows ? (r + row) / a.group_rows : 0;  // one group at K = 1024
+                    if (g != group) {
+                        group = g;
+                        const uint8_t * xrow = a.xq + size_t(g) * act_row_bytes(Act::q8a, K);
 #pragma unroll
-                for (int j = 0; j < kUnits; ++j) {
-                    const int col = (base + 32 * j) % kUnitsPerRow + lane;
-                    x[j] = act_chunk(reinterpret_cast<const int8_t *>(xrow), col);
-                    xd[j] = reinterpret_cast<const float *>(xrow + K)[col >> 1];
+                        for (int j = 0; j < kUnits; ++j) {
+                            const int col = (base + 32 * j) % kUnitsPerRow + lane;
+                            x[j] = act_chunk(reinterpret_cast<const int8_t *>(xrow), col);
+                            xd[j] = reinterpret_cast<const float *>(xrow + K)[col >> 1];
+                        }
+                    }
+                    // Unit u of the slot holds columns of block u / 2 of the slot's rows, whose scale is the slot's
+                    // u / 2.
+                    const int4 * w = slot_payload + slot * (kSlotBytes / 16) + first_unit + lane;
+                    const uint16_t * wd =
+                        reinterpret_cast<const uint16_t *>(slot_scales + slot * (kSlotScaleBytes / 16)) +
+                        (first_unit + lane) / 2;
+                    float sum[kRowsPerWarp] = {};
+#pragma unroll
+                    for (int j = 0; j < kUnits; ++j)
+                        sum[(base + 32 * j) / kUnitsPerRow] +=
+                            float(dp4(w[32 * j], x[j], 0)) * (xd[j] * f16_bits_to_f32(wd[16 * j]));
+                    // Two rows reduce in five shuffles: the first level trades halves, so that lanes 0-15 then hold
+                    // the first row's sums and lanes 16-31 the second's.
+                    float v = sum[0];
+                    if constexpr (kRowsPerWarp == 2) {
+                        const bool upper = (lane & 16) != 0;
+                        v = (upper ? sum[1] : sum[0]) + __shfl_xor_sync(kFull, upper ? sum[0] : sum[1], 16);
+                    }
+#pragma unroll
+                    for (int o = kRowsPerWarp == 2 ? 8 : 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+                    float * row_part = part + part_off + (r - r0 + row) * kParts;
+                    if (lane == 0) row_part[base / kWarpUnits] = v;
+                    if (kRowsPerWarp == 2 && lane == 16 && row + 1 < n) row_part[1] = v;  // not the next segment's
                 }
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(&empty[slot]);
             }
-            // Unit u of the slot holds columns of block u / 2 of the slot's rows, whose scale is the slot's u / 2.
-            const int4 * w = slot_payload + slot * (kSlotBytes / 16) + first_unit + lane;
-            const uint16_t * wd = reinterpret_cast<const uint16_t *>(slot_scales + slot * (kSlotScaleBytes / 16)) +
-                                  (first_unit + lane) / 2;
-            float sum[kRowsPerWarp] = {};
-#pragma unroll
-            for (int j = 0; j < kUnits; ++j)
-                sum[(base + 32 * j) / kUnitsPerRow] +=
-                    float(dp4(w[32 * j], x[j], 0)) * (xd[j] * f16_bits_to_f32(wd[16 * j]));
-            // Two rows reduce in five shuffles: the first level trades halves, so that lanes 0-15 then hold the first
-            // row's sums and lanes 16-31 the second's.
-            float v = sum[0];
-            if constexpr (kRowsPerWarp == 2) {
-                const bool upper = (lane & 16) != 0;
-                v = (upper ? sum[1] : sum[0]) + __shfl_xor_sync(kFull, upper ? sum[0] : sum[1], 16);
-            }
-#pragma unroll
-            for (int o = kRowsPerWarp == 2 ? 8 : 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-            const int local = r - r0 + row;
-            if (lane == 0) part[local * kParts + base / kWarpUnits] = v;
-            if (kRowsPerWarp == 2 && lane == 16) part[local + 1] = v;
+            part_off += (r1 - r0) * kParts;
         }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&empty[slot]);
+    }
+    if (a.n_q8 < a.n_seg) {
+        // F16 rows: 8 values a unit, every warp's units within one row (K >= 1024); their activations in f32.
+        constexpr int kUnitsPerRow = K / 8, kPer = kSlotBytes / (2 * K), kParts = parts(2 * K);
+        const int row = first_unit / kUnitsPerRow, base = first_unit % kUnitsPerRow;
+        float x[kUnits][8];  // the lane's activations: unit j is columns 8 (base + 32 j + lane) + [0, 8)
+        bool loaded = false;
+        for (int s = a.n_q8; s < a.n_seg; ++s) {
+            const int r0 = first_row(s, b), r1 = first_row(s, b + 1);
+            for (int r = r0; r < r1; r += kPer, at.next(slots)) {
+                const int slot = at.slot;
+                mbarrier_wait(&full[slot], at.phase);
+                if (row < min(kPer, r1 - r)) {
+                    if (!loaded) {
+                        loaded = true;
+#pragma unroll
+                        for (int j = 0; j < kUnits; ++j) {
+                            const float4 * xv = reinterpret_cast<const float4 *>(a.x) + 2 * (base + 32 * j + lane);
+                            const float4 lo = xv[0], hi = xv[1];
+                            x[j][0] = lo.x, x[j][1] = lo.y, x[j][2] = lo.z, x[j][3] = lo.w;
+                            x[j][4] = hi.x, x[j][5] = hi.y, x[j][6] = hi.z, x[j][7] = hi.w;
+                        }
+                    }
+                    const int4 * w = slot_payload + slot * (kSlotBytes / 16) + first_unit + lane;
+                    float v = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < kUnits; ++j) {
+                        float f[8];
+                        unpack16<GgmlType::F16>(w[32 * j], f);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) v += f[e] * x[j][e];
+                    }
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+                    if (lane == 0) part[part_off + (r - r0 + row) * kParts + base / kWarpUnits] = v;
+                }
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(&empty[slot]);
+            }
+            part_off += (r1 - r0) * kParts;
+        }
     }
     asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");  // the consumers' rows are all in part
-    for (int i = int(threadIdx.x); i < r1 - r0; i += kConsumers) {
-        float v = 0.0f;
-#pragma unroll
-        for (int q = 0; q < kParts; ++q) v += part[i * kParts + q];
-        a.y[r0 + i] = a.add ? a.add[r0 + i] + v : v;
+    part_off = 0;
+    for (int s = 0; s < a.n_seg; ++s) {
+        const int r0 = first_row(s, b), r1 = first_row(s, b + 1), np = parts(s < a.n_q8 ? K : 2 * K);
+        const RingSegment & g = a.seg[s];
+        for (int i = int(threadIdx.x); i < r1 - r0; i += kConsumers) {
+            float v = 0.0f;
+            for (int q = 0; q < np; ++q) v += part[part_off + i * np + q];
+            g.y[r0 + i] = g.add ? g.add[r0 + i] + v : v;
+        }
+        part_off += (r1 - r0) * np;
     }
 #endif
 }
@@ -942,36 +1019,75 @@ int ring_slots() {
     return slots;
 }
 
-// The ring kernel's dynamic shared memory for rows split over `blocks`.
-size_t ring_smem(int64_t rows, int64_t k, int blocks, int slots) {
-    const int64_t per_block = (rows + blocks - 1) / blocks + 1;
-    return size_t(ring::part_at(slots)) + size_t(per_block * std::max<int64_t>(1, k / 2048)) * sizeof(float);
+// Bytes of weights a launch must stream to take the ring: DSV4_CUDA_RING_MIN_MB (default 16). Smaller launches keep
+// matvec_kernel, whose blocks fit beside the kernels around them.
+int64_t ring_min_bytes() {
+    static const int64_t bytes = [] {
+        const char * e = std::getenv("DSV4_CUDA_RING_MIN_MB");
+        const int64_t v = e ? std::atoll(e) : 0;
+        return (v > 0 ? v : 16) << 20;
+    }();
+    return bytes;
 }
 
-// Whether a product runs on ring_matvec_kernel: one token, one Q8_0 target of at least kMinBytes, K of 1024 (one
-// group: a warp's two rows must share it) to 8192, its activations quantized, on sm_90 or later with the carveout,
+// The ring kernel's dynamic shared memory for the targets' rows split over `blocks`.
+size_t ring_smem(const MatvecArgs & a, int blocks, int slots) {
+    const int64_t k = a.t[0].w.ne0;
+    int64_t floats = 0;
+    for (int i = 0; i < a.n_targets; ++i) {
+        const int64_t rows = a.t[i].rows * a.groups;
+        floats += ((rows + blocks - 1) / blocks) * ring::parts(int(a.t[i].w.type == GgmlType::Q8_0 ? k : 2 * k));
+    }
+    return size_t(ring::part_at(slots)) + size_t(floats) * sizeof(float);
+}
+
+// Whether a launch runs on ring_matvec_kernel: one token, Q8_0 and F16 targets of at least ring_min_bytes together,
+// K of 1024 to 8192, Q8_0's activations quantized and F16's in f32 (no fused swiglu) and 16-byte aligned; one Q8_0
+// target when grouped (not at K = 1024: a warp's two rows must share a group); on sm_90 or later with the carveout,
 // where the caller allows it (MatvecArgs::ring).
 bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
-    if (!a.ring || a.n_targets != 1 || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu || !a.xq[0])
+    if (!a.ring || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu) return false;
+    const int64_t k = a.t[0].w.ne0;
+    if ((k != 1024 && k != 2048 && k != 4096 && k != 8192) || (a.groups != 1 && (a.n_targets != 1 || k == 1024)))
         return false;
-    const MatvecTarget & t = a.t[0];
-    const int64_t k = t.w.ne0, rows = t.rows * a.groups;
-    if (t.w.type != GgmlType::Q8_0 || (k != 1024 && k != 2048 && k != 4096 && k != 8192) ||
-        (k == 1024 && a.groups != 1) || rows * k < ring::kMinBytes || rows > INT_MAX)
-        return false;
-    return device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) >= 9 &&
-           ring_smem(rows, k, device_sms(), ring_slots()) <= device_smem_optin();
+    auto aligned = [](const void * p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    int64_t bytes = 0;
+    for (int i = 0; i < a.n_targets; ++i) {
+        const MatvecTarget & t = a.t[i];
+        const int64_t rows = t.rows * a.groups;
+        if (t.w.ne0 != k || rows > INT_MAX) return false;
+        if (t.w.type == GgmlType::Q8_0) {
+            if (!a.xq[0]) return false;
+            bytes += rows * k;
+        } else if (t.w.type == GgmlType::F16) {
+            if (a.groups != 1 || !a.x || a.x_up || !aligned(a.x) || !aligned(t.w.data)) return false;
+            bytes += rows * k * 2;
+        } else {
+            return false;
+        }
+    }
+    return bytes >= ring_min_bytes() && device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) >= 9 &&
+           ring_smem(a, device_sms(), ring_slots()) <= device_smem_optin();
 }
 
 void ring_matvec(const MatvecArgs & a, cudaStream_t s) {
-    const MatvecTarget & t = a.t[0];
-    const int64_t k = t.w.ne0;
-    const RingArgs r{t.w.data,    reinterpret_cast<const uint16_t *>(t.w.data + t.w.n_blocks * 32),
-                     a.xq[0],     t.y,
-                     t.add,       int(t.rows * a.groups),
-                     int(t.rows), ring_slots()};
+    const int64_t k = a.t[0].w.ne0;
+    RingArgs r{};
+    for (const bool q8 : {true, false})
+        for (int i = 0; i < a.n_targets; ++i) {
+            const MatvecTarget & t = a.t[i];
+            if ((t.w.type == GgmlType::Q8_0) != q8) continue;
+            r.seg[r.n_seg++] = {t.w.data,
+                                q8 ? reinterpret_cast<const uint16_t *>(t.w.data + t.w.n_blocks * 32) : nullptr, t.y,
+                                t.add, int(t.rows * a.groups)};
+            r.n_q8 += q8;
+        }
+    r.xq = a.xq[0];
+    r.x = a.x;
+    r.group_rows = a.groups > 1 ? int(a.t[0].rows) : 0;
+    r.slots = ring_slots();
     const int blocks = device_sms();
-    const size_t smem = ring_smem(r.rows, k, blocks, r.slots);
+    const size_t smem = ring_smem(a, blocks, r.slots);
     const dim3 grid{unsigned(blocks)}, block{unsigned(ring::kThreads)};
     switch (k) {
         case 1024:
