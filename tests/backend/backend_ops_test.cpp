@@ -362,6 +362,36 @@ TEST(Ops, MatmulTilesDecodeWeightsExactly) {
     }
 }
 
+// A product of one input in a matmul_many call: its weight type and output rows.
+struct Proj {
+    GgmlType type;
+    int64_t out;
+};
+
+// matmul_many of one random input [in, n] into fresh weights of `proj` (uploaded after the input, right before the
+// call), on the GPU against the CPU (its 8-bit path, or f32 activations where every product takes the tensor
+// cores), each target compared.
+void check_matmul_many(const std::string & name, const std::vector<Proj> & proj, int64_t in, int64_t n) {
+    Store s;
+    bool tc = true;
+    for (const Proj & p : proj) tc = tc && cuda_tensor_core_product(p.type, in, n);
+    const Both x = s.values(randn(size_t(in * n)), in, n);
+    std::vector<Both> ws, ys;
+    std::vector<MatmulTarget> tg, tc_targets;
+    for (const Proj & p : proj) {
+        ws.push_back(s.weight(p.type, in, p.out));
+        ys.push_back(s.out(GgmlType::F32, p.out, n));
+        tg.push_back({ws.back().g, ys.back().g});
+        tc_targets.push_back({ws.back().c, ys.back().c});
+    }
+    gpu().matmul_many(x.g, tg);
+    cpu(!tc).matmul_many(x.c, tc_targets);
+    for (size_t i = 0; i < ys.size(); ++i)
+        compare("matmul_many " + name + (tc ? " (tensor cores)" : "") + " n=" + std::to_string(n) + " target " +
+                    std::to_string(i) + " " + std::string(type_name(proj[i].type)) + " " + shape(ws[i].c),
+                ys[i], tc ? kTensorCoreTol : 1e-4);
+}
+
 // One token's large Q8_0 and F16 products, which take the ring kernel on sm_90 (matvec.cu: at least 16 MB in one
 // launch, K of 1024 to 8192): each K, with rows that the blocks do not divide evenly, alone and as several products
 // of one input streamed one after another (segments, Q8_0 then F16: the FFN's router and shared gate/up; an odd
@@ -378,31 +408,11 @@ TEST(Ops, MatmulRing) {
         cpu(true).matmul(w.c, x.c, y.c);
         compare("matmul q8_0 " + shape(w.c) + " n=1 vs cpu", y, 1e-4);
     }
-    struct Case {
-        int64_t in;
-        std::vector<std::pair<GgmlType, int64_t>> targets;
-    };
     const GgmlType q8 = GgmlType::Q8_0, f16 = GgmlType::F16;
-    for (const Case & c :
-         {Case{4096, {{f16, 256}, {q8, 2048}, {q8, 2048}}}, Case{1024, {{q8, 8191}, {q8, 3001}, {f16, 3333}}},
-          Case{2048, {{f16, 4100}, {q8, 123}}}, Case{8192, {{f16, 1000}, {q8, 77}}}}) {
-        Store s;
-        const Both x = s.values(randn(size_t(c.in)), c.in, 1);
-        std::vector<Both> ws, ys;
-        std::vector<MatmulTarget> tg, tc;
-        for (auto [type, out] : c.targets) {
-            ws.push_back(s.weight(type, c.in, out));
-            ys.push_back(s.out(GgmlType::F32, out, 1));
-            tg.push_back({ws.back().g, ys.back().g});
-            tc.push_back({ws.back().c, ys.back().c});
-        }
-        gpu().matmul_many(x.g, tg);
-        cpu(true).matmul_many(x.c, tc);
-        for (size_t i = 0; i < ys.size(); ++i)
-            compare("matmul_many n=1 target " + std::to_string(i) + " " + std::string(type_name(c.targets[i].first)) +
-                        " " + shape(ws[i].c) + " vs cpu",
-                    ys[i], 1e-4);
-    }
+    check_matmul_many("ring ffn", {{f16, 256}, {q8, 2048}, {q8, 2048}}, 4096, 1);
+    check_matmul_many("ring odd segment", {{q8, 8191}, {q8, 3001}, {f16, 3333}}, 1024, 1);
+    check_matmul_many("ring few rows", {{f16, 4100}, {q8, 123}}, 2048, 1);
+    check_matmul_many("ring few rows", {{f16, 1000}, {q8, 77}}, 8192, 1);
 }
 
 TEST(Ops, MatmulGroupedOutputProjection) {
@@ -430,10 +440,6 @@ TEST(Ops, MatmulGroupedOutputProjection) {
 // two (Q8_0 only), the FFN's three, a mix of other types (one launch per type), and more targets than one launch
 // takes.
 TEST(Ops, MatmulMany) {
-    struct Proj {
-        GgmlType type;
-        int64_t out;
-    };
     const std::vector<Proj> attention = {{GgmlType::Q8_0, 1024}, {GgmlType::Q8_0, 512}, {GgmlType::F16, 1024},
                                          {GgmlType::F16, 1024},  {GgmlType::F16, 256},  {GgmlType::F16, 256},
                                          {GgmlType::F16, 64}};
@@ -451,27 +457,7 @@ TEST(Ops, MatmulMany) {
     for (const Case & c :
          {Case{"attention", attention, 4096}, Case{"ffn", ffn, 4096}, Case{"sliding attention", sliding, 4096},
           Case{"mixed", mixed, 512}, Case{"11 targets", many, 256}}) {
-        for (int64_t n : {1, 5, 19, 48}) {
-            Store s;
-            bool tc = true;
-            for (const Proj & p : c.proj) tc = tc && cuda_tensor_core_product(p.type, c.in, n);
-            const Both x = s.values(randn(size_t(c.in * n)), c.in, n);
-            std::vector<Both> ws, ys;
-            std::vector<MatmulTarget> tg, tc_targets;
-            for (const Proj & p : c.proj) {
-                ws.push_back(s.weight(p.type, c.in, p.out));
-                ys.push_back(s.out(GgmlType::F32, p.out, n));
-                tg.push_back({ws.back().g, ys.back().g});
-                tc_targets.push_back({ws.back().c, ys.back().c});
-            }
-            gpu().matmul_many(x.g, tg);
-            cpu(!tc).matmul_many(x.c, tc_targets);
-            for (size_t i = 0; i < ys.size(); ++i)
-                compare(std::string("matmul_many ") + c.name + (tc ? " (tensor cores)" : "") +
-                            " n=" + std::to_string(n) + " target " + std::to_string(i) + " " +
-                            std::string(type_name(c.proj[i].type)) + " " + shape(ws[i].c),
-                        ys[i], tc ? kTensorCoreTol : 1e-4);
-        }
+        for (int64_t n : {1, 5, 19, 48}) check_matmul_many(c.name, c.proj, c.in, n);
     }
 }
 
