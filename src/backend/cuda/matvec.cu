@@ -1009,24 +1009,23 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
 #endif
 }
 
+// A count from the environment variable `name`: `fallback` when it is unset, not a number or outside [1, most].
+int64_t env_count(const char * name, int64_t fallback, int64_t most) {
+    const char * e = std::getenv(name);
+    const int64_t v = e ? std::atoll(e) : 0;
+    return v >= 1 && v <= most ? v : fallback;
+}
+
 // Slots of the ring: DSV4_CUDA_RING_SLOTS (1 to 6, default 6).
 int ring_slots() {
-    static const int slots = [] {
-        const char * e = std::getenv("DSV4_CUDA_RING_SLOTS");
-        const int v = e ? std::atoi(e) : 0;
-        return v >= 1 && v <= ring::kMaxSlots ? v : ring::kMaxSlots;
-    }();
+    static const int slots = int(env_count("DSV4_CUDA_RING_SLOTS", ring::kMaxSlots, ring::kMaxSlots));
     return slots;
 }
 
 // Bytes of weights a launch must stream to take the ring: DSV4_CUDA_RING_MIN_MB (default 16). Smaller launches keep
 // matvec_kernel, whose blocks fit beside the kernels around them.
 int64_t ring_min_bytes() {
-    static const int64_t bytes = [] {
-        const char * e = std::getenv("DSV4_CUDA_RING_MIN_MB");
-        const int64_t v = e ? std::atoll(e) : 0;
-        return (v > 0 ? v : 16) << 20;
-    }();
+    static const int64_t bytes = env_count("DSV4_CUDA_RING_MIN_MB", 16, INT64_MAX >> 20) << 20;
     return bytes;
 }
 
