@@ -175,6 +175,7 @@ class CudaBackend final : public Backend {
         check(cudaMemsetAsync(hc_done_, 0, (cuda::kHcRowsTokens + 1) * sizeof(unsigned), stream_),
               "cudaMemset(hc counters)");
         sinkhorns_ = hc_done_ + cuda::kHcRowsTokens;
+        check(cudaMalloc(&upload_fence_, sizeof(unsigned)), "cudaMalloc(upload fence)");
     }
 
     ~CudaBackend() override {
@@ -196,6 +197,7 @@ class CudaBackend final : public Backend {
         if (cublas_) cublasDestroy(cublas_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
+        cudaFree(upload_fence_);
         cudaEventDestroy(side_fork_);
         cudaEventDestroy(side_done_);
         cudaEventDestroy(branch_fork_);
@@ -261,9 +263,13 @@ class CudaBackend final : public Backend {
             }
             check(cudaEventRecord(staged_[slot], stream_), "cudaEventRecord");
         }
+        // The repack kernel lets the kernels after it launch early, and kernels may read weights before their PDL
+        // wait (the ring's bulk copies do): they would read this weight while the repack still wrote it (session
+        // 50's race). A memset is no kernel, so the next kernel cannot overlap it, and it starts only once the
+        // repack has completed.
+        if (sp.payload_bytes) check(cudaMemsetAsync(upload_fence_, 0, sizeof(unsigned), stream_), "upload fence");
         uploaded_ += bytes;
         upload_seconds_ += timer.seconds();
-        upload_pending_ = true;
         if (uploaded_ / (size_t(8) << 30) != (uploaded_ - bytes) / (size_t(8) << 30))
             log_info("cuda: {:.1f} GB of weights uploaded ({:.2f} GB/s)", double(uploaded_) / 1e9,
                      double(uploaded_) / 1e9 / std::max(upload_seconds_, 1e-9));
@@ -1181,18 +1187,9 @@ class CudaBackend final : public Backend {
     }
 
     // Whether a one-token product may take the ring kernel (MatvecArgs::ring): not beside a branch, whose kernels
-    // would wait for its blocks. Its producer reads weights before the PDL wait, and an upload's repack kernel lets
-    // the kernels after it start early (a chain of them, each starting before the one before has finished), so an
-    // upload still on the stream must finish first; inside a capture the products keep matvec_kernel instead.
-    bool ring_allowed() {
-        if (!ring_enabled_ || branch_pending_ || origin_) return false;
-        if (upload_pending_) {
-            if (capturing_) return false;
-            check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (uploads before the ring)");
-            upload_pending_ = false;
-        }
-        return true;
-    }
+    // would wait for its blocks. (Its producer reads weights before the PDL wait: upload_weight's fence keeps an
+    // upload's repack ahead of it.)
+    bool ring_allowed() { return ring_enabled_ && !branch_pending_ && !origin_; }
 
     // Quantizes the activations once per kind the targets need (quantized weights), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
@@ -1406,6 +1403,7 @@ class CudaBackend final : public Backend {
     bool side_pending_ = false;          // side_ has work stream_ has not joined
     const float * side_comb_ = nullptr;  // the comb whose Sinkhorn side_ ran last
     unsigned * sinkhorns_ = nullptr;     // device: Sinkhorns done since the last reset (mix_boundary)
+    unsigned * upload_fence_ = nullptr;  // device: the word upload_weight's memset writes after a repack
     unsigned sinkhorns_launched_ = 0;    // launched since then
     cuda::Iq2Tables * iq2_ = nullptr;
     // [kHcRowsTokens + 1]: hc_mix's rows kernel counts its blocks per token here; the last is sinkhorns_
@@ -1421,7 +1419,6 @@ class CudaBackend final : public Backend {
     bool in_branch_ = false;         // between begin_branch and end_branch
     bool branch_pending_ = false;    // branch_ has work stream_ has not joined
     bool branches_enabled_ = true;
-    bool upload_pending_ = false;      // weights uploaded since the stream last synchronized (ring_allowed)
     bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large products on the ring kernel (matvec.cu)
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;

@@ -25,8 +25,8 @@ constexpr unsigned kFull = 0xffffffffu;
 // and lets a product stream its weights into L2 meanwhile). The rule that keeps this correct: every kernel calls
 // pdl_begin() in every block before it touches any memory another kernel writes or reads (only weights, which no kernel
 // writes after their upload, may be read or prefetched before it: the upload's repack kernel writes the quantized ones,
-// so the backend drains the stream after an upload before the first ring kernel, whose bulk copies read them there,
-// while float weights arrive by copies that no kernel after them overtakes; and the chunk's positions and token ids,
+// so the backend ends each such upload with a memset, which no kernel after it overtakes, as float weights arrive by
+// copies; and the chunk's positions and token ids,
 // which only the host writes, by copies that the stream orders before the chunk's first kernel: a position read after
 // the wait is one more round trip in the chain when other loads depend on it). pdl_begin() first lets the next kernel
 // launch, then waits until the previous kernel has completed and its writes are visible. Letting the next one launch
