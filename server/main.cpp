@@ -18,7 +18,7 @@ int main(int argc, char ** argv) {
     std::string log_level;
     CLI::App app{"dsv4-server: OpenAI- and Anthropic-compatible server for DeepSeek V4 Flash"};
     app.add_option("-m,--model", o.engine.model_path, "model GGUF")->required();
-    app.add_option("--mtp", o.engine.mtp_path, "ds4's separate MTP GGUF");
+    app.add_option("--mtp", o.engine.mtp_path, "ds4's separate MTP GGUF (loaded; no decode path uses it yet)");
     app.add_option("--host", o.host, "address to listen on (default 127.0.0.1: this machine only)");
     app.add_option("--port", o.port, "port (default 8000)")->check(CLI::Range(0, 65535));
     app.add_option("-c,--ctx", ctx, "context length per session, or 'auto' (the memory plan); default 32768");

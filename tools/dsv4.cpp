@@ -13,7 +13,7 @@ int main(int argc, char ** argv) {
     cli::Options opts;
     CLI::App app{"dsv4: DeepSeek V4 inference engine. `dsv4 -m MODEL` chats; -p answers one prompt."};
     app.add_option("-m,--model", opts.model, "model or vocabulary GGUF");
-    app.add_option("--mtp", opts.mtp, "ds4's separate MTP GGUF");
+    app.add_option("--mtp", opts.mtp, "ds4's separate MTP GGUF (loaded; no decode path uses it yet)");
     app.add_option("--backend", opts.backend, "cpu, cuda or auto (cuda when a GPU is present)");
     app.add_option("--gpu", opts.gpu, "CUDA device index");
     app.add_option("-t,--threads", opts.threads, "CPU threads (default: all)");
