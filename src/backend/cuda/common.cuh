@@ -26,18 +26,18 @@ constexpr unsigned kFull = 0xffffffffu;
 // pdl_begin() in every block before it touches any memory another kernel writes or reads (only weights, which no kernel
 // writes after their upload, may be read or prefetched before it: the upload's repack kernel writes the quantized ones,
 // so the backend ends each such upload with a memset, which no kernel after it overtakes, as float weights arrive by
-// copies; and the chunk's positions and token ids,
-// which only the host writes, by copies that the stream orders before the chunk's first kernel: a position read after
-// the wait is one more round trip in the chain when other loads depend on it). pdl_begin() first lets the next kernel
-// launch, then waits until the previous kernel has completed and its writes are visible. Letting the next one launch
-// before waiting (rather than after) means a chain of kernels can be resident at once as far as their blocks fit, each
-// waiting for the one before: a product's blocks start prefetching their weights while two or three small kernels
-// before it still run (session 18: -1.9 % a layer at 2K, -1.4 % at 32K). It also means that nothing another kernel
-// writes may be read before the wait, however far back that kernel is, except through a handshake of its own (the
-// Sinkhorn count, hc_sinkhorn) or as a hint whose staleness only wastes a prefetch (moe_down's expert ids). A kernel
-// that waits on such a handshake does so in every block before pdl_begin(): a block that let the next kernel launch
-// while another still waited could leave the chain after it resident, waiting on the waiter, and the awaited kernel
-// unscheduled (session 19). DSV4_CUDA_PDL=0 launches plainly (the instructions are then no-ops).
+// copies; and the chunk's positions and token ids, which only the host writes, by copies that the stream orders before
+// the chunk's first kernel: a position read after the wait is one more round trip in the chain when other loads depend
+// on it). pdl_begin() first lets the next kernel launch, then waits until the previous kernel has completed and its
+// writes are visible. Letting the next one launch before waiting (rather than after) means a chain of kernels can be
+// resident at once as far as their blocks fit, each waiting for the one before: a product's blocks start prefetching
+// their weights while two or three small kernels before it still run (session 18: -1.9 % a layer at 2K, -1.4 % at 32K).
+// It also means that nothing another kernel writes may be read before the wait, however far back that kernel is, except
+// through a handshake of its own (the Sinkhorn count, hc_sinkhorn) or as a hint whose staleness only wastes a prefetch
+// (moe_down's expert ids). A kernel that waits on such a handshake does so in every block before pdl_begin(): a block
+// that let the next kernel launch while another still waited could leave the chain after it resident, waiting on the
+// waiter, and the awaited kernel unscheduled (session 19). DSV4_CUDA_PDL=0 launches plainly (the instructions are then
+// no-ops).
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
