@@ -180,15 +180,12 @@ struct Tables {
     uint32_t levels;       // kIq2Levels, read from a lane's own slot after the table (iq2_run says why)
 };
 
-// Weights are read once per step: first in line for eviction from L2 (the activations, streams and KV rows that the
-// next kernels read stay), and not kept in L1.
+// Weights are read once per step: the weights' L2 policy (l2_evict_first), and not kept in L1.
 __device__ __forceinline__ int4 ldg16(const uint8_t * p) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     int4 v;
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "l"(policy));
+        : "l"(p), "l"(l2_evict_first()));
     return v;
 }
 __device__ __forceinline__ int dp4(int4 w, int4 a, int s) {

@@ -26,16 +26,21 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t * bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Copies bytes from global memory to dst in shared memory, counted on bar (whose phase must expect them). The
-// copies stream weights, read once a step: first in line for eviction from L2, as matvec.cu's ldg16 loads, so that
-// the activations, streams and KV rows the small kernels read between the products stay there.
-__device__ __forceinline__ void bulk_copy(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
+// The L2 policy of weights, read once a step: first in line for eviction, so that the activations, streams and KV
+// rows the small kernels read between the products stay in L2 (bulk_copy here, matvec.cu's ldg16 loads).
+__device__ __forceinline__ uint64_t l2_evict_first() {
     uint64_t policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// Copies bytes from global memory to dst in shared memory, counted on bar (whose phase must expect them), with the
+// weights' L2 policy.
+__device__ __forceinline__ void bulk_copy(void * dst, const void * src, uint32_t bytes, uint64_t * bar) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
             "r"(smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(l2_evict_first())
         : "memory");
 }
 
