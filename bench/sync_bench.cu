@@ -8,7 +8,11 @@
 // 40 µs after its wait, followed by kernels that spin for 0 or 2 µs, each of every kernel's blocks releasing its
 // successor before its own wait (as dsv4's kernels do); when each kernel's first block started and its last ended.
 // The followers hold no shared memory, then 80 KB a block (two fit beside each other on a multiprocessor), then 80 KB
-// with every kernel preferring the largest shared-memory carveout.
+// with every kernel preferring the largest shared-memory carveout. Last, which blocks start beside another kernel's
+// resident blocks: a kernel shaped like the ring kernel (a block a multiprocessor, 544 threads of ~75 registers, no
+// or 205 KB of shared memory) spins for 40 µs and is followed by 16 blocks of 256 threads and 13 KB (the decode
+// boundary's shape) of 17, 48 or 72 registers, as plain blocks or as one cluster of 16 (docs/cuda.md, "Session 53":
+// a block's warps are dealt over the multiprocessor's four register files, so the fullest file decides).
 #include "bench_cuda.cuh"
 
 #include <cstdint>
@@ -99,6 +103,58 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) atomicMax(end + k, now_ns());
 }
 
+// The cluster probe's first kernel: the ring kernel's shape (a block a multiprocessor, 17 warps, ~80 registers a
+// thread: kLive values kept live through the spin), spinning after its wait.
+constexpr int kRingThreads = 544;
+template <int kLive>
+__device__ __forceinline__ void spin_with_live_values(float * sink, int spin_ns) {
+    float v[kLive];
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) v[i] = sink[(threadIdx.x + i) % 64];
+    const unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < static_cast<unsigned long long>(spin_ns)) {
+#pragma unroll
+        for (int i = 0; i < kLive; ++i) v[i] = v[i] * 0.999f + 1.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) acc += v[i];
+    if (acc == 12345.0f) sink[threadIdx.x % 64] = acc;  // never true: keeps the values
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1)
+    ring_shaped_kernel(unsigned long long * start, unsigned long long * end, float * sink, int spin_ns) {
+    if (threadIdx.x == 0) atomicMin(start, now_ns());
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    spin_with_live_values<64>(sink, spin_ns);
+    __syncthreads();
+    if (threadIdx.x == 0) atomicMax(end, now_ns());
+}
+
+// Its follower, plain or one cluster (which then meets at a cluster barrier, as the boundary's blocks do), with
+// kLive values live across its wait (the boundary's mixing weights, loaded before it).
+template <bool kCluster, int kLive>
+__global__ void __launch_bounds__(kThreads)
+    follower_kernel(unsigned long long * start, unsigned long long * end, float * sink) {
+    if (threadIdx.x == 0) atomicMin(start + 1, now_ns());
+    float v[kLive];
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) v[i] = sink[(threadIdx.x + i) % 64];
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if constexpr (kCluster) {
+        asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+        asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) acc += v[i] * float(i + 1);
+    if (acc == 12345.0f) sink[threadIdx.x % 64] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) atomicMax(end + 1, now_ns());
+}
+
 template <class Enqueue>
 float time_ms(cudaStream_t stream, Enqueue && enqueue) {
     cudaEvent_t start, stop;
@@ -181,6 +237,61 @@ void probe_depth(cudaStream_t stream, int blocks, int kernels, int spin_ns, int 
     cudaFree(end);
 }
 
+// The cluster probe: the ring-shaped kernel holding `ring_smem` bytes a block for 40 µs, then 16 follower blocks of
+// 13 KB, plain or one cluster, with few or many registers; prints when the followers started and ended (µs from the
+// first kernel's start; it ends at ~40).
+template <int kLive>
+void probe_cluster(cudaStream_t stream, int blocks, int ring_smem, bool cluster, float * sink) {
+    const int follower_smem = 13 << 10, followers = 16;
+    check(cudaFuncSetAttribute(ring_shaped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ring_smem), "smem");
+    const auto follower = cluster ? follower_kernel<true, kLive> : follower_kernel<false, kLive>;
+    check(cudaFuncSetAttribute(follower, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cluster size");
+    cudaFuncAttributes ring_attr, follower_attr;
+    check(cudaFuncGetAttributes(&ring_attr, ring_shaped_kernel), "cudaFuncGetAttributes");
+    check(cudaFuncGetAttributes(&follower_attr, follower), "cudaFuncGetAttributes");
+    unsigned long long *start = nullptr, *end = nullptr;
+    check(cudaMalloc(&start, 2 * sizeof(unsigned long long)), "cudaMalloc(start)");
+    check(cudaMalloc(&end, 2 * sizeof(unsigned long long)), "cudaMalloc(end)");
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    check(cudaMemsetAsync(start, 0xff, 2 * sizeof(unsigned long long), stream), "cudaMemsetAsync");
+    check(cudaMemsetAsync(end, 0, 2 * sizeof(unsigned long long), stream), "cudaMemsetAsync");
+    check(
+        launch_pdl(ring_shaped_kernel, blocks, kRingThreads, size_t(ring_smem), false, stream, start, end, sink, 40000),
+        "cudaLaunchKernelEx");
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(followers));
+    config.blockDim = dim3(unsigned(kThreads));
+    config.dynamicSmemBytes = size_t(follower_smem);
+    config.stream = stream;
+    cudaLaunchAttribute attributes[2] = {};
+    attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[0].val.programmaticStreamSerializationAllowed = 1;
+    attributes[1].id = cudaLaunchAttributeClusterDimension;
+    attributes[1].val.clusterDim.x = unsigned(followers);
+    attributes[1].val.clusterDim.y = attributes[1].val.clusterDim.z = 1;
+    config.attrs = attributes;
+    config.numAttrs = cluster ? 2 : 1;
+    check(cudaLaunchKernelEx(&config, follower, start, end, sink), "cudaLaunchKernelEx(follower)");
+    check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    for (int replay = 0; replay < 2; ++replay) check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+    check(cudaStreamSynchronize(stream), "cluster probe");
+    unsigned long long s[2], e[2];
+    check(cudaMemcpy(s, start, sizeof s, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check(cudaMemcpy(e, end, sizeof e, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    std::printf(
+        "  %3d KB, %3d registers a ring-shaped thread; followers %s of %3d registers: %7.2f .. %7.2f; the "
+        "first kernel ends %7.2f\n",
+        ring_smem >> 10, ring_attr.numRegs, cluster ? "one cluster of 16" : "16 plain blocks  ", follower_attr.numRegs,
+        double(s[1] - s[0]) / 1e3, double(e[1] - s[0]) / 1e3, double(e[0] - s[0]) / 1e3);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaFree(start);
+    cudaFree(end);
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -222,5 +333,18 @@ int main(int argc, char ** argv) {
     for (int smem : {0, 80 << 10})
         for (int spin_ns : {0, 2000}) probe_depth(stream, blocks, 8, spin_ns, smem, cudaSharedmemCarveoutDefault);
     for (int spin_ns : {0, 2000}) probe_depth(stream, blocks, 8, spin_ns, 80 << 10, cudaSharedmemCarveoutMaxShared);
+    std::printf(
+        "a cluster beside resident blocks: a ring-shaped kernel (%d blocks of %d threads) for 40 us, then 16 "
+        "blocks of %d threads and 13 KB under PDL; us from its start\n",
+        blocks, kRingThreads, kThreads);
+    float * sink = nullptr;
+    check(cudaMalloc(&sink, 64 * sizeof(float)), "cudaMalloc(sink)");
+    check(cudaMemset(sink, 0, 64 * sizeof(float)), "cudaMemset");
+    for (int ring_smem : {0, 205 << 10})
+        for (bool cluster : {false, true}) {
+            probe_cluster<8>(stream, blocks, ring_smem, cluster, sink);
+            probe_cluster<40>(stream, blocks, ring_smem, cluster, sink);
+            probe_cluster<72>(stream, blocks, ring_smem, cluster, sink);
+        }
     return 0;
 }
