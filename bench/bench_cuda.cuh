@@ -24,21 +24,36 @@ inline void check(cudaError_t e, const char * what) {
 }
 
 // blocks × threads of kernel on s with smem bytes of dynamic shared memory; with pdl, under programmatic dependent
-// launch (the kernel may start before its predecessor ends and must wait for it itself).
+// launch (the kernel may start before its predecessor ends and must wait for it itself); with cluster > 1, in
+// thread-block clusters of that many blocks.
 template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), int blocks, int threads, size_t smem, bool pdl, cudaStream_t s,
-                       Args... args) {
+cudaError_t launch_pdl_cluster(void (*kernel)(Params...), int blocks, int threads, size_t smem, bool pdl,
+                               unsigned cluster, cudaStream_t s, Args... args) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(unsigned(blocks));
     config.blockDim = dim3(unsigned(threads));
     config.dynamicSmemBytes = smem;
     config.stream = s;
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = pdl ? 1 : 0;
+    cudaLaunchAttribute attributes[2] = {};
+    unsigned n = 0;
+    if (pdl) {
+        attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attributes[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {
+        attributes[n].id = cudaLaunchAttributeClusterDimension;
+        attributes[n].val.clusterDim.x = cluster;
+        attributes[n].val.clusterDim.y = attributes[n].val.clusterDim.z = 1;
+        ++n;
+    }
+    config.attrs = attributes;
+    config.numAttrs = n;
     return cudaLaunchKernelEx(&config, kernel, args...);
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), int blocks, int threads, size_t smem, bool pdl, cudaStream_t s,
+                       Args... args) {
+    return launch_pdl_cluster(kernel, blocks, threads, smem, pdl, 1, s, args...);
 }
 
 // 16 bytes read past L1 (weights are read once), folded into one int.

@@ -103,31 +103,40 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) atomicMax(end + k, now_ns());
 }
 
-// The cluster probe's first kernel: the ring kernel's shape (a block a multiprocessor, 17 warps, ~80 registers a
-// thread: kLive values kept live through the spin), spinning after its wait.
-constexpr int kRingThreads = 544;
+// kLive values a thread keeps in registers (loaded from sink, changed, and finally used), so that a kernel holds
+// about that many registers.
 template <int kLive>
-__device__ __forceinline__ void spin_with_live_values(float * sink, int spin_ns) {
+struct LiveValues {
     float v[kLive];
+    __device__ __forceinline__ void load(const float * sink) {
 #pragma unroll
-    for (int i = 0; i < kLive; ++i) v[i] = sink[(threadIdx.x + i) % 64];
-    const unsigned long long t0 = now_ns();
-    while (now_ns() - t0 < static_cast<unsigned long long>(spin_ns)) {
+        for (int i = 0; i < kLive; ++i) v[i] = sink[(threadIdx.x + i) % 64];
+    }
+    __device__ __forceinline__ void touch() {
 #pragma unroll
         for (int i = 0; i < kLive; ++i) v[i] = v[i] * 0.999f + 1.0f;
     }
-    float acc = 0.0f;
+    __device__ __forceinline__ void keep(float * sink) const {
+        float acc = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kLive; ++i) acc += v[i];
-    if (acc == 12345.0f) sink[threadIdx.x % 64] = acc;  // never true: keeps the values
-}
+        for (int i = 0; i < kLive; ++i) acc += v[i] * float(i + 1);
+        if (acc == 12345.0f) sink[threadIdx.x % 64] = acc;  // never true: only keeps the values
+    }
+};
 
+// The cluster probe's first kernel: the ring kernel's shape (a block a multiprocessor, 17 warps, ~75 registers a
+// thread), spinning after its wait.
+constexpr int kRingThreads = 544;
 __global__ void __launch_bounds__(kRingThreads, 1)
     ring_shaped_kernel(unsigned long long * start, unsigned long long * end, float * sink, int spin_ns) {
     if (threadIdx.x == 0) atomicMin(start, now_ns());
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    spin_with_live_values<64>(sink, spin_ns);
+    LiveValues<64> live;
+    live.load(sink);
+    const unsigned long long t0 = now_ns();
+    while (now_ns() - t0 < static_cast<unsigned long long>(spin_ns)) live.touch();
+    live.keep(sink);
     __syncthreads();
     if (threadIdx.x == 0) atomicMax(end, now_ns());
 }
@@ -138,19 +147,15 @@ template <bool kCluster, int kLive>
 __global__ void __launch_bounds__(kThreads)
     follower_kernel(unsigned long long * start, unsigned long long * end, float * sink) {
     if (threadIdx.x == 0) atomicMin(start + 1, now_ns());
-    float v[kLive];
-#pragma unroll
-    for (int i = 0; i < kLive; ++i) v[i] = sink[(threadIdx.x + i) % 64];
+    LiveValues<kLive> live;
+    live.load(sink);
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if constexpr (kCluster) {
         asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
         asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
     }
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kLive; ++i) acc += v[i] * float(i + 1);
-    if (acc == 12345.0f) sink[threadIdx.x % 64] = acc;
+    live.keep(sink);
     __syncthreads();
     if (threadIdx.x == 0) atomicMax(end + 1, now_ns());
 }
@@ -260,20 +265,9 @@ void probe_cluster(cudaStream_t stream, int blocks, int ring_smem, bool cluster,
     check(
         launch_pdl(ring_shaped_kernel, blocks, kRingThreads, size_t(ring_smem), false, stream, start, end, sink, 40000),
         "cudaLaunchKernelEx");
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(followers));
-    config.blockDim = dim3(unsigned(kThreads));
-    config.dynamicSmemBytes = size_t(follower_smem);
-    config.stream = stream;
-    cudaLaunchAttribute attributes[2] = {};
-    attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[0].val.programmaticStreamSerializationAllowed = 1;
-    attributes[1].id = cudaLaunchAttributeClusterDimension;
-    attributes[1].val.clusterDim.x = unsigned(followers);
-    attributes[1].val.clusterDim.y = attributes[1].val.clusterDim.z = 1;
-    config.attrs = attributes;
-    config.numAttrs = cluster ? 2 : 1;
-    check(cudaLaunchKernelEx(&config, follower, start, end, sink), "cudaLaunchKernelEx(follower)");
+    check(launch_pdl_cluster(follower, followers, kThreads, size_t(follower_smem), true,
+                             cluster ? unsigned(followers) : 1u, stream, start, end, sink),
+          "cudaLaunchKernelEx(follower)");
     check(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
     check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
     for (int replay = 0; replay < 2; ++replay) check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
