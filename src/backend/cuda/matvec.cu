@@ -1469,6 +1469,13 @@ void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s) {
         ++q.n_jobs;
     }
     if (q.n_jobs == 0) return;
+    // A multiprocessor changes its split of L1 and shared memory only while idle (session 53's probe), so the first
+    // block it takes sets it. In a decode step this kernel runs right before each ring launch: left to the default,
+    // its blocks set the multiprocessors they start on to little shared memory, and a ring block (~210 KB) waits
+    // there until they leave. Preferring the largest carveout lets the ring's copies start beside them (session 54:
+    // 1-2 us a layer).
+    cudaFuncSetAttribute(quantize_rows_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         cudaSharedmemCarveoutMaxShared);
     launch(quantize_rows_kernel, dim3(unsigned((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, q);
 }
 
