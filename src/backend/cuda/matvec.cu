@@ -1037,6 +1037,12 @@ size_t ring_smem(const MatvecArgs & a, int blocks, int slots) {
     return size_t(ring::part_at(slots)) + size_t(floats) * sizeof(float);
 }
 
+// Whether the device runs ring_matvec_kernel at all: sm_90 or later with room for its slots (not sm_120/121's 99 KB).
+bool ring_device() {
+    return device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) >= 9 &&
+           size_t(ring::part_at(ring_slots())) <= device_smem_optin();
+}
+
 // Whether a launch runs on ring_matvec_kernel: one token, Q8_0 and F16 targets of at least ring_min_bytes together,
 // K of 1024 to 8192, Q8_0's activations quantized and F16's in f32 (no fused swiglu) and 16-byte aligned; one Q8_0
 // target when grouped (not at K = 1024: a warp's two rows must share a group); on sm_90 or later with the carveout,
@@ -1062,7 +1068,7 @@ bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
             return false;
         }
     }
-    return bytes >= ring_min_bytes() && device_attribute<cudaDevAttrComputeCapabilityMajor>(0, 0) >= 9 &&
+    return bytes >= ring_min_bytes() && ring_device() &&
            ring_smem(a, device_sms(), ring_slots()) <= device_smem_optin();
 }
 
@@ -1473,9 +1479,10 @@ void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s) {
     // block it takes sets it. In a decode step this kernel runs right before each ring launch: left to the default,
     // its blocks set the multiprocessors they start on to little shared memory, and a ring block (~210 KB) waits
     // there until they leave. Preferring the largest carveout lets the ring's copies start beside them (session 54:
-    // 1-2 us a layer).
-    cudaFuncSetAttribute(quantize_rows_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                         cudaSharedmemCarveoutMaxShared);
+    // 1-2 us a layer). Where no ring runs, the products after it keep their L1.
+    if (ring_device())
+        cudaFuncSetAttribute(quantize_rows_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
     launch(quantize_rows_kernel, dim3(unsigned((warps + kWarps - 1) / kWarps)), dim3(kThreads), 0, s, q);
 }
 
