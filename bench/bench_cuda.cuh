@@ -1,8 +1,10 @@
 // Pieces the CUDA microbenchmarks share (dsv4-stream-bench, dsv4-sync-bench, dsv4-overlap-bench, dsv4-chain-bench):
 // a fatal check of CUDA calls, cold 16-byte loads whose values are XOR-folded so that they are not dropped, and
-// launches under programmatic dependent launch; the bulk copies and mbarriers come from the backend's mbarrier.cuh.
+// launches under programmatic dependent launch; the launch attributes, bulk copies and mbarriers come from the
+// backend's launch_attrs.cuh and mbarrier.cuh.
 #pragma once
 
+#include "backend/cuda/launch_attrs.cuh"
 #include "backend/cuda/mbarrier.cuh"
 
 #include <cuda_runtime.h>
@@ -36,16 +38,8 @@ cudaError_t launch_pdl_cluster(void (*kernel)(Params...), int blocks, int thread
     config.stream = s;
     cudaLaunchAttribute attributes[2] = {};
     unsigned n = 0;
-    if (pdl) {
-        attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attributes[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (cluster > 1) {
-        attributes[n].id = cudaLaunchAttributeClusterDimension;
-        attributes[n].val.clusterDim.x = cluster;
-        attributes[n].val.clusterDim.y = attributes[n].val.clusterDim.z = 1;
-        ++n;
-    }
+    if (pdl) attributes[n++] = pdl_attr();
+    if (cluster > 1) attributes[n++] = cluster_dim_attr(cluster);
     config.attrs = attributes;
     config.numAttrs = n;
     return cudaLaunchKernelEx(&config, kernel, args...);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch_attrs.cuh"
 #include "backend/cuda/mbarrier.cuh"
 #include "format/q4k_scales.h"
 
@@ -78,15 +79,6 @@ inline size_t device_smem_optin() {
     return std::min(limit, size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(48 * 1024, 48 * 1024)));
 }
 
-// The launch attribute that groups a grid's blocks into clusters of x blocks along x (sm_90 and later).
-inline cudaLaunchAttribute cluster_dim_attr(unsigned x) {
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = x;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    return attr;
-}
-
 // Blocks grouped into clusters of cluster_x along x where cluster_x > 1.
 template <typename... Params, typename... Args>
 void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
@@ -95,10 +87,7 @@ void launch_cluster(void (*kernel)(Params...), unsigned cluster_x, dim3 grid, di
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     cudaLaunchAttribute attr[3] = {};
     unsigned n = 0;
-    if (pdl_enabled()) {
-        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
+    if (pdl_enabled()) attr[n++] = pdl_attr();
     if (cluster_x > 1) attr[n++] = cluster_dim_attr(cluster_x);
     // A launch on a stream of raised priority (the CUDA backend's branches) keeps it in a captured graph.
     int priority = 0;
