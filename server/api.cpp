@@ -816,4 +816,59 @@ Prepared prepare_responses(std::string_view body_text, const ServerInfo & info, 
     return p;
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// A reply as it streams
+// ---------------------------------------------------------------------------------------------------------------------
+
+ReplyBuilder::ReplyBuilder(Writer & writer, bool streaming, bool chat, bool thinking,
+                           std::function<void(const ToolCall &)> on_call)
+    : writer_(writer), streaming_(streaming), chat_(chat), parser_(thinking), on_call_(std::move(on_call)) {}
+
+std::string ReplyBuilder::text(std::string_view t) {
+    if (t.empty()) return {};
+    if (chat_) return dispatch(parser_.feed(t));
+    outcome_.content += t;
+    return streaming_ ? writer_.content(t) : std::string();
+}
+
+std::string ReplyBuilder::finish() {
+    std::string out = chat_ ? dispatch(parser_.finish()) : std::string();
+    if (streaming_) out += writer_.finish(outcome_);
+    return out;
+}
+
+std::string ReplyBuilder::dispatch(const std::vector<DsmlEvent> & events) {
+    std::string out;
+    for (const DsmlEvent & e : events) {
+        switch (e.kind) {
+            case DsmlEvent::Kind::reasoning:
+                outcome_.reasoning += e.text;
+                if (streaming_) out += writer_.reasoning(e.text);
+                break;
+            case DsmlEvent::Kind::content:
+                outcome_.content += e.text;
+                if (streaming_) out += writer_.content(e.text);
+                break;
+            case DsmlEvent::Kind::tool_call_start: {
+                ToolCall call = e.call;
+                call.id = ids_[e.index] = random_id(writer_.tool_id_prefix());
+                if (streaming_) out += writer_.tool_start(e.index, call);
+                break;
+            }
+            case DsmlEvent::Kind::tool_args:
+                if (streaming_) out += writer_.tool_args(e.index, e.text);
+                break;
+            case DsmlEvent::Kind::tool_call_end: {
+                ToolCall call = e.call;
+                call.id = ids_[e.index];
+                if (on_call_) on_call_(call);
+                if (streaming_) out += writer_.tool_end(e.index, call);
+                outcome_.calls.push_back(std::move(call));
+                break;
+            }
+        }
+    }
+    return out;
+}
+
 }  // namespace dsv4::api

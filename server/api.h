@@ -6,9 +6,12 @@
 
 #include "engine/scheduler.h"
 #include "server/chat_request.h"
+#include "text/dsml.h"
 #include "util/error.h"
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -118,6 +121,36 @@ class Writer {
   protected:
     const ServerInfo & info_;
     const Tokenizer & tokenizer_;
+};
+
+// One reply as it is generated: text (through the DSML parser for a chat reply) becomes the Outcome and, when
+// streaming, the Writer's events. Tool calls get fresh ids with the Writer's prefix. The server's Runner drives it;
+// so does the request fuzzer (tests/fuzz/api_fuzz.cpp).
+class ReplyBuilder {
+  public:
+    // thinking: the reply starts inside reasoning. on_call: each tool call as it completes, id assigned (the server
+    // remembers its raw DSML).
+    ReplyBuilder(Writer & writer, bool streaming, bool chat, bool thinking,
+                 std::function<void(const ToolCall &)> on_call = {});
+
+    // Generated text, in order. Returns the bytes to send (empty when not streaming).
+    std::string text(std::string_view t);
+    // Generation ended normally (eos, stop, length), with outcome()'s finish, stop string and usage set: closes any
+    // open markup and returns the Writer's last events.
+    std::string finish();
+
+    Outcome & outcome() { return outcome_; }
+
+  private:
+    std::string dispatch(const std::vector<DsmlEvent> & events);
+
+    Writer & writer_;
+    bool streaming_;
+    bool chat_;
+    DsmlStreamParser parser_;
+    std::function<void(const ToolCall &)> on_call_;
+    std::map<int, std::string> ids_;  // tool call index → id
+    Outcome outcome_;
 };
 
 // Random ids: prefix + 24 letters and digits.

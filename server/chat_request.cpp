@@ -592,4 +592,33 @@ ChatRequest parse_responses_request(std::string_view body_text) {
     return finish(std::move(messages), tools, std::move(choice), std::move(format), controls, "input");
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// Rendering
+// ---------------------------------------------------------------------------------------------------------------------
+
+RenderedChatRequest render_chat_request(const ChatRequest & request) {
+    RenderedChatRequest out;
+    out.pieces = render_chat(request.prompt);
+    out.thinking = !out.pieces.empty() && out.pieces.back().special && out.pieces.back().text == kThinkStartText;
+    const ToolChoice & choice = request.tool_choice;
+    if (choice.mode != ToolChoice::Mode::required && choice.mode != ToolChoice::Mode::function) return out;
+    // The model cannot be made to call a tool, but its reply can be started as one: the opener (and the name) are
+    // prefilled and the model writes the rest. In thinking mode that skips the reasoning.
+    std::string opener;
+    if (out.thinking) opener = std::string(kThinkEndText);
+    opener += fmt::format("\n\n<{0}tool_calls>\n<{0}invoke name=\"", kDsmlText);
+    append_markup(out.pieces, opener);
+    out.forced = opener;
+    if (choice.mode == ToolChoice::Mode::function) {
+        // An attribute value: '"' and '&' as the entities the output parser decodes, so the name comes back as sent.
+        std::string name;
+        for (char c : choice.name)
+            name += c == '"' ? std::string("&quot;") : c == '&' ? std::string("&amp;") : std::string(1, c);
+        name += "\">\n";
+        append_text(out.pieces, name);
+        out.forced += name;
+    }
+    return out;
+}
+
 }  // namespace dsv4

@@ -9,6 +9,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dsv4 {
 
@@ -25,6 +26,16 @@ struct ChatRequest {
     // Mode::none also leaves the tools out of the prompt.
     ToolChoice tool_choice;
 };
+
+// What a chat request sends the model: the prompt's pieces and, when tool_choice forces a call, the assistant markup
+// the server prefills after them so that the reply starts as that call. The caller sets request.prompt.version and
+// context_length first. The tool's name is client text and stays plain text (never a special token).
+struct RenderedChatRequest {
+    std::vector<TextPiece> pieces;  // the prompt, ending with the forced opener when there is one
+    bool thinking = false;          // the completion starts inside reasoning (the pieces end with <think>)
+    std::string forced;             // the prefilled markup as the output parser must see it first; "" when none
+};
+RenderedChatRequest render_chat_request(const ChatRequest & request);
 
 // POST /v1/chat/completions. A bare messages array is accepted as {"messages": […]}.
 ChatRequest parse_openai_chat_request(std::string_view body);

@@ -377,21 +377,10 @@ HttpServer::Plan HttpServer::plan(api::Prepared & p, const httplib::Request & re
         prompt.version = parse_chat_template_version(engine_->info().chat_template);
         prompt.context_length = info_.n_ctx;
         tools_.fill(prompt);
-        g.pieces = render_chat(prompt);
-        out.thinking = !g.pieces.empty() && g.pieces.back().special && g.pieces.back().text == kThinkStartText;
-        const ToolChoice & choice = p.request.tool_choice;
-        if (choice.mode == ToolChoice::Mode::required || choice.mode == ToolChoice::Mode::function) {
-            // The model cannot be made to call a tool, but its reply can be started as one: the opener (and the
-            // name) are prefilled and the model writes the rest. In thinking mode that skips the reasoning.
-            if (out.thinking) out.forced = std::string(kThinkEndText);
-            out.forced += fmt::format("\n\n<{0}tool_calls>\n<{0}invoke name=\"", kDsmlText);
-            if (choice.mode == ToolChoice::Mode::function) {
-                std::string name;
-                for (char c : choice.name) name += c == '"' ? std::string("&quot;") : std::string(1, c);
-                out.forced += name + "\">\n";
-            }
-            append_markup(g.pieces, out.forced);
-        }
+        RenderedChatRequest rendered = render_chat_request(p.request);
+        g.pieces = std::move(rendered.pieces);
+        out.thinking = rendered.thinking;
+        out.forced = std::move(rendered.forced);
         g.prompt = tok.encode_pieces(g.pieces);
         // Later turns share the conversation up to the last assistant marker.
         const int32_t assistant = tok.token_id(kAssistantText);
@@ -449,7 +438,6 @@ class HttpServer::Runner {
           job_(std::move(job)),
           fd_(fd),
           path_(std::move(path)),
-          parser_(plan_.thinking),
           tok_(*server.engine_->tokenizer()) {
         think_end_ = tok_.token_id(kThinkEndText);
         in_reasoning_ = plan_.thinking;
@@ -476,10 +464,12 @@ class HttpServer::Runner {
     // Returns false when the client went away.
     bool run(const std::function<bool(const std::string &)> * emit) {
         streaming_ = emit != nullptr;
+        reply_.emplace(*p_.writer, streaming_, p_.chat, plan_.thinking,
+                       [this](const ToolCall & call) { server_.tools_.remember(call.id, call.raw_dsml); });
         std::string out;
         const GenerationUsage & u0 = first_->usage;
         if (streaming_) out = p_.writer->start(u0.prompt_tokens, u0.cached_tokens);
-        if (!plan_.forced.empty()) dispatch(parser_.feed(plan_.forced), out);
+        out += reply_->text(plan_.forced);
         process(*first_, out);
         double last_write = now_seconds();
         for (;;) {
@@ -504,7 +494,7 @@ class HttpServer::Runner {
 
     const std::optional<GenerationUpdate> & final_update() const { return final_; }
     void cancel() { job_->cancel(); }
-    const api::Outcome & outcome() const { return outcome_; }
+    const api::Outcome & outcome() { return reply_->outcome(); }
     api::Writer & writer() { return *p_.writer; }
 
   private:
@@ -514,73 +504,29 @@ class HttpServer::Runner {
         return false;
     }
 
-    void dispatch(const std::vector<DsmlEvent> & events, std::string & out) {
-        api::Writer & w = *p_.writer;
-        for (const DsmlEvent & e : events) {
-            switch (e.kind) {
-                case DsmlEvent::Kind::reasoning:
-                    outcome_.reasoning += e.text;
-                    if (streaming_) out += w.reasoning(e.text);
-                    break;
-                case DsmlEvent::Kind::content:
-                    outcome_.content += e.text;
-                    if (streaming_) out += w.content(e.text);
-                    break;
-                case DsmlEvent::Kind::tool_call_start: {
-                    ToolCall call = e.call;
-                    call.id = api::random_id(w.tool_id_prefix());
-                    ids_[e.index] = call.id;
-                    if (streaming_) out += w.tool_start(e.index, call);
-                    break;
-                }
-                case DsmlEvent::Kind::tool_args:
-                    if (streaming_) out += w.tool_args(e.index, e.text);
-                    break;
-                case DsmlEvent::Kind::tool_call_end: {
-                    ToolCall call = e.call;
-                    call.id = ids_[e.index];
-                    server_.tools_.remember(call.id, call.raw_dsml);
-                    if (streaming_) out += w.tool_end(e.index, call);
-                    outcome_.calls.push_back(std::move(call));
-                    break;
-                }
-            }
-        }
-    }
-
-    void text(std::string_view t, std::string & out) {
-        if (t.empty()) return;
-        if (p_.chat) {
-            dispatch(parser_.feed(t), out);
-        } else {
-            outcome_.content += t;
-            if (streaming_) out += p_.writer->content(t);
-        }
-    }
-
     void process(GenerationUpdate & u, std::string & out) {
+        api::Outcome & outcome = reply_->outcome();
         const bool logprobs = p_.writer->wants_logprobs();
         for (const GeneratedToken & t : u.tokens) {
             if (in_reasoning_) {
-                ++outcome_.reasoning_tokens;
+                ++outcome.reasoning_tokens;
                 if (t.id == think_end_) in_reasoning_ = false;
             }
-            text(t.text, out);
-            if (logprobs) outcome_.tokens.push_back(t);
+            out += reply_->text(t.text);
+            if (logprobs) outcome.tokens.push_back(t);
         }
         if (logprobs && streaming_ && !u.tokens.empty()) out += p_.writer->logprobs(u.tokens);
-        text(u.tail, out);
+        out += reply_->text(u.tail);
         if (!u.finished) return;
         final_ = u;
-        outcome_.finish = u.finish;
-        outcome_.stop_string = u.stop_string;
-        outcome_.usage = u.usage;
+        outcome.finish = u.finish;
+        outcome.stop_string = u.stop_string;
+        outcome.usage = u.usage;
         switch (u.finish) {
             case FinishReason::eos:
             case FinishReason::stop:
             case FinishReason::length:
-                if (p_.chat) dispatch(parser_.finish(), out);
-                if (streaming_) out += p_.writer->finish(outcome_);
+                out += reply_->finish();
                 break;
             case FinishReason::error:
                 if (streaming_) out += p_.writer->error_event(ApiError(500, u.error, "server_error"));
@@ -611,15 +557,13 @@ class HttpServer::Runner {
     std::shared_ptr<GenerationJob> job_;
     int fd_;
     std::string path_;
-    DsmlStreamParser parser_;
     const Tokenizer & tok_;
     int32_t think_end_ = -1;
     bool in_reasoning_ = false;
     bool streaming_ = false;
     std::optional<GenerationUpdate> first_;
     std::optional<GenerationUpdate> final_;
-    std::map<int, std::string> ids_;
-    api::Outcome outcome_;
+    std::optional<api::ReplyBuilder> reply_;  // made when run() knows whether it streams
 };
 
 void HttpServer::generate(const httplib::Request & req, httplib::Response & res, Endpoint endpoint) {

@@ -125,7 +125,9 @@ void SafetensorsSet::add_file(const std::string & path) {
             }
             continue;
         }
-        auto bad = [&](std::string_view problem) { fail("{}: tensor '{}': {}", path, name, problem); };
+        // Lambdas capture a reference, not the structured binding (clang before 16 refuses that capture).
+        const std::string & tensor_name = name;
+        auto bad = [&](std::string_view problem) { fail("{}: tensor '{}': {}", path, tensor_name, problem); };
         if (!entry.is_object()) bad(fmt::format("expected an object, found {}", entry.type_name()));
 
         StTensor t;

@@ -31,10 +31,10 @@ struct KeyReader {
         DSV4_CHECK(v >= min && v <= max, "{}: {} = {} is outside [{}, {}]", file.path(), k, v, min, max);
         return v;
     }
-    std::optional<int64_t> count_opt(std::string_view suffix, int64_t min = 0) const {
+    std::optional<int64_t> count_opt(std::string_view suffix, int64_t min = 0, int64_t max = int64_t(1) << 40) const {
         const std::string k = key(suffix);
         if (!file.has(k)) return std::nullopt;
-        return count(suffix, min);
+        return count(suffix, min, max);
     }
     double real(std::string_view suffix) const {
         const std::string k = key(suffix);
@@ -68,7 +68,9 @@ ModelConfig load_config(const GgufFile & file) {
     c.name = std::string(file.get_string_opt("general.name").value_or(""));
 
     // llama.cpp files count an in-file MTP block in block_count and say so in nextn_predict_layers.
-    const int64_t block_count = k.count("block_count");
+    // Per-layer tables are sized by it before any tensor is checked: bounded so that a corrupt count is an error,
+    // not an allocation of gigabytes (V4 Flash has 43 layers plus the MTP block).
+    const int64_t block_count = k.count("block_count", 1, 4096);
     const int64_t n_nextn = k.count_opt("nextn_predict_layers").value_or(0);
     DSV4_CHECK(n_nextn < block_count, "{}: {}.nextn_predict_layers ({}) leaves no main layers", file.path(), kArch,
                n_nextn);
@@ -134,7 +136,8 @@ ModelConfig load_config(const GgufFile & file) {
                    file.path(), kArch, *groups);
 
     c.hc = k.count("hyper_connection.count", 1, 16);
-    c.hc_iters = k.count_opt("hyper_connection.sinkhorn_iterations").value_or(20);
+    // V4 runs 20; the bound keeps a corrupt value from turning every token into hours of Sinkhorn rounds.
+    c.hc_iters = k.count_opt("hyper_connection.sinkhorn_iterations", 1, 1000).value_or(20);
     c.hc_eps = float(k.real("hyper_connection.epsilon"));
     c.norm_eps = float(k.real("attention.layer_norm_rms_epsilon"));
 
@@ -169,7 +172,8 @@ ModelConfig load_config(const GgufFile & file) {
     if (any_csa) {
         c.indexer_heads = k.count("attention.indexer.head_count");
         c.indexer_dim = k.count("attention.indexer.key_length");
-        c.indexer_top_k = k.count("attention.indexer.top_k", 0);
+        // V4 selects 512 rows; the bound keeps a corrupt value from sizing the selection buffers past memory.
+        c.indexer_top_k = k.count("attention.indexer.top_k", 0, int64_t(1) << 16);
         DSV4_CHECK((c.indexer_dim & (c.indexer_dim - 1)) == 0, "{}: {}.attention.indexer.key_length = {} must be a "
                    "power of two (Hadamard rotation)", file.path(), kArch, c.indexer_dim);
         DSV4_CHECK(c.n_rot <= c.indexer_dim, "{}: rope dims {} exceed the indexer head width {}", file.path(),

@@ -137,6 +137,11 @@ TEST(Config, MissingOrInconsistentMetadataIsNamed) {
     expect_load_error(set("general.architecture", GgufValue::make_string("llama")), {"general.architecture", "llama"});
     expect_load_error(set("deepseek4.attention.head_count", GgufValue::make_string("four")), {"attention.head_count"});
     expect_load_error(set("deepseek4.rope.dimension_count", GgufValue::make_u32(7)), {"rope.dimension_count"});
+    expect_load_error(set("deepseek4.hyper_connection.sinkhorn_iterations", GgufValue::make_u32(4000000000u)),
+                      {"hyper_connection.sinkhorn_iterations", "4000000000"});
+    expect_load_error(set("deepseek4.attention.indexer.top_k", GgufValue::make_u32(3000000000u)),
+                      {"attention.indexer.top_k", "3000000000"});
+    expect_load_error(set("deepseek4.block_count", GgufValue::make_u32(1000000000u)), {"block_count", "1000000000"});
 }
 
 TEST(Weights, WrongShapeTypeOrMissingTensorIsNamed) {
