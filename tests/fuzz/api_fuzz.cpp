@@ -16,6 +16,7 @@
 //   - a tool call's streamed argument fragments join into its final arguments;
 //   - the streamed reply parses as the whole reply does (parse_completion).
 #include "format/gguf.h"
+#include "fuzz/fuzz_check.h"
 #include "server/api.h"
 #include "text/chat.h"
 #include "text/dsml.h"
@@ -45,15 +46,6 @@ const Tokenizer & vocabulary() {
     static const Tokenizer tok = Tokenizer::from_gguf(GgufFile::open(DSV4_VOCAB_GGUF));
     return tok;
 }
-
-// A failed check names itself, then traps (libFuzzer saves the input).
-#define FUZZ_CHECK(cond)                                                                  \
-    do {                                                                                  \
-        if (!(cond)) {                                                                    \
-            std::fprintf(stderr, "api_fuzz.cpp:%d: check failed: %s\n", __LINE__, #cond); \
-            __builtin_trap();                                                             \
-        }                                                                                 \
-    } while (0)
 
 bool is_json(std::string_view text) { return nlohmann::json::accept(text); }
 

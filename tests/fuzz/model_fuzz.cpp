@@ -180,12 +180,15 @@ void apply(const uint8_t * e, std::vector<GgufKv> & metadata, std::vector<GgufTe
     }
 }
 
+// The file each input is written to, in memory where /dev/shm exists; removed when the process exits normally.
 const std::string & scratch_path() {
-    static const std::string path = [] {
-        const char * dir = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp";
-        return std::string(dir) + "/dsv4_model_fuzz_" + std::to_string(getpid()) + ".gguf";
-    }();
-    return path;
+    struct Scratch {
+        std::string path;
+        ~Scratch() { std::remove(path.c_str()); }
+    };
+    static const Scratch scratch{std::string(access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp") +
+                                 "/dsv4_model_fuzz_" + std::to_string(getpid()) + ".gguf"};
+    return scratch.path;
 }
 
 }  // namespace
