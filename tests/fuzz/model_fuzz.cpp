@@ -234,8 +234,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * input, size_t size) {
         constexpr int64_t kCtx = 32, kUbatch = 4;
         const ModelConfig config = load_config(f);
         if (plan_kv(config, kCtx, kUbatch).total() + Model::workspace_bytes(config, kUbatch, false) >
-            (uint64_t(1) << 30))
+            (uint64_t(1) << 30)) {
+            if (kVerbose) std::fprintf(stderr, "refused by the memory plan\n");
             return 0;
+        }
         auto backend = make_cpu_backend({1, false});
         Model m(f, *backend, kUbatch, official ? Numerics::official : Numerics::reference);
         auto state = m.new_state(kCtx);
