@@ -180,15 +180,12 @@ void apply(const uint8_t * e, std::vector<GgufKv> & metadata, std::vector<GgufTe
     }
 }
 
-// The file each input is written to, in memory where /dev/shm exists; removed when the process exits normally.
+// The file each input is written to, in memory where /dev/shm exists. It is removed once mapped, so no exit, crash
+// or timeout of the fuzzer leaves it behind.
 const std::string & scratch_path() {
-    struct Scratch {
-        std::string path;
-        ~Scratch() { std::remove(path.c_str()); }
-    };
-    static const Scratch scratch{std::string(access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp") +
-                                 "/dsv4_model_fuzz_" + std::to_string(getpid()) + ".gguf"};
-    return scratch.path;
+    static const std::string path = std::string(access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp") +
+                                    "/dsv4_model_fuzz_" + std::to_string(getpid()) + ".gguf";
+    return path;
 }
 
 }  // namespace
@@ -224,11 +221,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * input, size_t size) {
         }
         w.finish();
     } catch (const Error &) {
+        std::remove(path.c_str());
         return 0;  // the writer refuses what GGUF cannot hold
     }
 
     try {
         const GgufFile f = GgufFile::open(path);
+        std::remove(path.c_str());  // the mapping stays valid
         // The engine plans memory from the configuration before it loads anything and refuses a model whose plan
         // does not fit (Engine::plan): so does this, with 1 GiB for the KV state and the workspace.
         constexpr int64_t kCtx = 32, kUbatch = 4;
@@ -252,6 +251,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * input, size_t size) {
         }
         if (kVerbose) std::fprintf(stderr, "loaded and ran\n");
     } catch (const Error & e) {
+        std::remove(path.c_str());  // when the file did not open
         if (kVerbose) std::fprintf(stderr, "refused: %s\n", e.what());
     }
     return 0;
