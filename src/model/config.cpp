@@ -25,13 +25,16 @@ struct KeyReader {
 
     std::string key(std::string_view suffix) const { return std::string(kArch) + "." + std::string(suffix); }
 
-    int64_t count(std::string_view suffix, int64_t min = 1, int64_t max = int64_t(1) << 40) const {
+    // A bound for counts nothing else bounds, high enough for any shape and low enough that products do not overflow.
+    static constexpr int64_t kMaxCount = int64_t(1) << 40;
+
+    int64_t count(std::string_view suffix, int64_t min = 1, int64_t max = kMaxCount) const {
         const std::string k = key(suffix);
         const int64_t v = file.get_i64(k);
         DSV4_CHECK(v >= min && v <= max, "{}: {} = {} is outside [{}, {}]", file.path(), k, v, min, max);
         return v;
     }
-    std::optional<int64_t> count_opt(std::string_view suffix, int64_t min = 0, int64_t max = int64_t(1) << 40) const {
+    std::optional<int64_t> count_opt(std::string_view suffix, int64_t min = 0, int64_t max = kMaxCount) const {
         const std::string k = key(suffix);
         if (!file.has(k)) return std::nullopt;
         return count(suffix, min, max);

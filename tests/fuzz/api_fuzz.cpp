@@ -15,6 +15,7 @@
 //   - every Writer output is JSON: the whole response, and each `data:` line of a stream (besides [DONE]);
 //   - a tool call's streamed argument fragments join into its final arguments;
 //   - the streamed reply parses as the whole reply does (parse_completion).
+#include "fuzz/api_fuzz.h"
 #include "format/gguf.h"
 #include "fuzz/fuzz_check.h"
 #include "server/api.h"
@@ -169,6 +170,23 @@ void run_reply(Prepared & p, const api::ServerInfo & info, const RenderedChatReq
 
 }  // namespace
 
+api::Prepared fuzz::prepare_route(int route, std::string_view body, const api::ServerInfo & info,
+                                  const Tokenizer & tok) {
+    switch (route) {
+        case 0:
+            return api::prepare_openai_chat(body, info, tok);
+        case 1:
+            return api::prepare_openai_completion(body, info, tok);
+        case 2:
+            return api::prepare_anthropic_messages(body, info, tok);
+        case 3:
+            return api::prepare_responses(body, info, tok);
+    }
+    api::Prepared p;
+    p.request = api::parse_anthropic_count_tokens(body);
+    return p;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (size == 0) return 0;
     const uint8_t selector = data[0];
@@ -186,23 +204,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
 
     Prepared p;
     try {
-        switch (route) {
-            case 0:
-                p = api::prepare_openai_chat(body, info, tok);
-                break;
-            case 1:
-                p = api::prepare_openai_completion(body, info, tok);
-                break;
-            case 2:
-                p = api::prepare_anthropic_messages(body, info, tok);
-                break;
-            case 3:
-                p = api::prepare_responses(body, info, tok);
-                break;
-            default:
-                p.request = api::parse_anthropic_count_tokens(body);
-                break;
-        }
+        p = fuzz::prepare_route(route, body, info, tok);
     } catch (const ApiError & e) {
         FUZZ_CHECK(e.status >= 400 && e.status < 500);
         FUZZ_CHECK(is_json(api::error_body(style, e.status, e.what(), e.type, e.param, e.code)));

@@ -3,6 +3,7 @@
 // walks the prompt, reply and Writer checks on each API rather than only its refusals; the fuzzer's own finds have
 // other names.
 #include "format/gguf.h"
+#include "fuzz/api_fuzz.h"
 #include "fuzz/replay.h"
 #include "server/api.h"
 #include "text/tokenizer.h"
@@ -31,23 +32,7 @@ TEST(ApiFuzzReplay, OkSeedsAreAccepted) {
         const std::string body = bytes.substr(1, bytes.find('\0', 1) - 1);
         const int route = bytes[0] & 7;
         routes.insert(route);
-        switch (route) {
-            case 0:
-                EXPECT_NO_THROW(dsv4::api::prepare_openai_chat(body, info, tok));
-                break;
-            case 1:
-                EXPECT_NO_THROW(dsv4::api::prepare_openai_completion(body, info, tok));
-                break;
-            case 2:
-                EXPECT_NO_THROW(dsv4::api::prepare_anthropic_messages(body, info, tok));
-                break;
-            case 3:
-                EXPECT_NO_THROW(dsv4::api::prepare_responses(body, info, tok));
-                break;
-            default:
-                EXPECT_NO_THROW(dsv4::api::parse_anthropic_count_tokens(body));
-                break;
-        }
+        EXPECT_NO_THROW(dsv4::fuzz::prepare_route(route, body, info, tok));
     }
     EXPECT_EQ(routes.size(), 5u) << "every route needs an accepted seed";
 }
