@@ -710,7 +710,7 @@ std::string HttpServer::metrics() const {
         const SchedulerStats s = scheduler_->stats();
         metric("dsv4_context_length", "gauge", "Tokens per session.", double(info_.n_ctx));
         metric("dsv4_queue_length", "gauge", "Generations waiting for the inference thread.", double(s.queued));
-        metric("dsv4_running", "gauge", "Generations running (0 or 1).", double(s.running));
+        metric("dsv4_running", "gauge", "Generations holding a session (at most --sessions).", double(s.running));
         metric("dsv4_generations_total", "counter", "Generations finished, any reason.", double(s.requests));
         metric("dsv4_generations_cancelled_total", "counter", "Generations stopped because the client went away.",
                double(s.cancelled));

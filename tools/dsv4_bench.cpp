@@ -217,7 +217,9 @@ int main(int argc, char ** argv) {
         csv("ttft_cold", ttft_prompt, ttft_prompt, cold, 0);
         csv("ttft_warm", ttft_prompt, 16, warm, 0);
 
-        // Concurrent streams: sessions decode round-robin, one token each per round.
+        // Concurrent streams: every round, each session draws its next token and one Engine::decode_batch step
+        // evaluates them all (one pass that reads the weights once where the backend batches, else the sessions one
+        // after another).
         if (!no_streams)
             for (int n : streams) {
                 Sample agg;
@@ -228,17 +230,22 @@ int main(int argc, char ** argv) {
                         ss.back()->eval(std::span<const int32_t>(ids).subspan(size_t(i), size_t(first_frontier)));
                     }
                     Timer t;
-                    for (int64_t k = 0; k < gen_tokens; ++k)
-                        for (auto & s : ss) {
-                            const int32_t next = next_token(*s);
-                            s->eval(std::span<const int32_t>(&next, 1));
+                    std::vector<Session *> step(static_cast<size_t>(n));
+                    std::vector<int32_t> next(static_cast<size_t>(n));
+                    for (int64_t k = 0; k < gen_tokens; ++k) {
+                        for (int i = 0; i < n; ++i) {
+                            step[size_t(i)] = ss[size_t(i)].get();
+                            next[size_t(i)] = next_token(*ss[size_t(i)]);
                         }
+                        engine->decode_batch(step, next);
+                    }
                     agg.add(t.seconds());
                 }
                 // Aggregate tokens/s over all streams (the CSV row); per stream it is this divided by the count.
                 csv(fmt::format("streams_{}", n).c_str(), first_frontier, gen_tokens * n, agg, 0);
-                std::fprintf(stderr, "           %ld streams: %.2f tok/s per stream\n", long(n),
-                             double(gen_tokens * n) / agg.median() / double(n));
+                std::fprintf(stderr, "           %ld streams: %.2f tok/s per stream (%s)\n", long(n),
+                             double(gen_tokens * n) / agg.median() / double(n),
+                             engine->batched_decode() ? "batched steps" : "one session after another");
             }
         // Device memory: what the backend held at most (0 on the CPU backend).
         const long peak_device_mb = long(engine->peak_device_bytes() >> 20);

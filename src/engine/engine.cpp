@@ -81,6 +81,10 @@ class EngineImpl final : public Engine {
             backend_ = make_cpu_backend(cpu);
         }
         const int64_t n_ubatch = ubatch_for(options, on_gpu);
+        // A batched step is one pass over backend ops, checked bit for bit against single steps on the CPU. The CUDA
+        // backend runs the same ops, but no batch has run on a GPU yet: there, decode_batch steps the sessions one
+        // after another until a GPU session has checked and timed the batched pass.
+        batched_decode_ = !on_gpu;
         const Timer load;
         LoadProgress lp;
         auto report = [&](uint64_t done, uint64_t total) {
@@ -127,6 +131,8 @@ class EngineImpl final : public Engine {
             .total();
     }
     uint64_t peak_device_bytes() const override { return backend_->peak_device_bytes(); }
+    void decode_batch(std::span<Session * const> sessions, std::span<const int32_t> tokens) override;
+    bool batched_decode() const override { return batched_decode_; }
     Model & model() { return *model_; }
     // The model's scratch is shared: one evaluation at a time across sessions.
     std::mutex & eval_mutex() { return eval_mutex_; }
@@ -138,6 +144,7 @@ class EngineImpl final : public Engine {
     std::unique_ptr<Model> model_;
     std::optional<Tokenizer> tokenizer_;
     ModelInfo info_;
+    bool batched_decode_ = false;
     std::mutex eval_mutex_;
 
     // Hashing all weights would read the whole file (80+ GB); the tensor table, the size and 64 KiB from a few
@@ -250,6 +257,14 @@ class SessionImpl final : public Session {
         return 0;
     }
 
+    EngineImpl & engine() const { return engine_; }
+    KvState & state() { return *state_; }
+    // After a batched step evaluated `token` here: the logits are in the state's device copy.
+    void stepped(int32_t token) {
+        tokens_.push_back(token);
+        logits_.clear();
+        where_ = LogitsAt::device;
+    }
     void clear() override {
         state_->clear();
         tokens_.clear();
@@ -310,6 +325,40 @@ class SessionImpl final : public Session {
 };
 
 std::unique_ptr<Session> EngineImpl::new_session(int64_t n_ctx) { return std::make_unique<SessionImpl>(*this, n_ctx); }
+
+void EngineImpl::decode_batch(std::span<Session * const> sessions, std::span<const int32_t> tokens) {
+    DSV4_CHECK(sessions.size() == tokens.size(), "decode_batch: {} tokens for {} sessions", tokens.size(),
+               sessions.size());
+    std::vector<SessionImpl *> impl;
+    for (size_t i = 0; i < sessions.size(); ++i) {
+        auto * s = dynamic_cast<SessionImpl *>(sessions[i]);
+        DSV4_CHECK(s && &s->engine() == this, "decode_batch: session {} belongs to another engine", i);
+        DSV4_CHECK(std::find(impl.begin(), impl.end(), s) == impl.end(), "decode_batch: session {} appears twice", i);
+        DSV4_CHECK(s->n_past() < s->n_ctx(), "decode_batch: session {} is full ({} tokens)", i, s->n_ctx());
+        DSV4_CHECK(tokens[i] >= 0 && tokens[i] < info_.n_vocab,
+                   "decode_batch: token id {} outside the vocabulary [0, {})", tokens[i], info_.n_vocab);
+        impl.push_back(s);
+    }
+    if (!batched_decode_) {
+        for (size_t i = 0; i < impl.size(); ++i) impl[i]->eval(tokens.subspan(i, 1), false, {});
+        return;
+    }
+    const size_t most = size_t(model_->max_batch());
+    for (size_t i0 = 0; i0 < impl.size(); i0 += most) {
+        const size_t n = std::min(most, impl.size() - i0);
+        std::vector<KvState *> states;
+        for (size_t i = i0; i < i0 + n; ++i) states.push_back(&impl[i]->state());
+        std::lock_guard<std::mutex> lock(eval_mutex_);
+        try {
+            model_->decode_batch(states, tokens.subspan(i0, n));
+        } catch (...) {
+            // As in Session::eval: a step that failed part way leaves the states at unknown points.
+            for (size_t i = i0; i < i0 + n; ++i) impl[i]->clear();
+            throw;
+        }
+        for (size_t i = i0; i < i0 + n; ++i) impl[i]->stepped(tokens[i]);
+    }
+}
 
 }  // namespace
 

@@ -166,6 +166,7 @@ struct Scheduler::Slot {
     std::string alias;  // when set: what clients render for the same tokens (scheduler.h)
     uint64_t last_used = 0;
     int64_t saved_tokens = 0;  // the state of this many tokens is on disk already
+    bool busy = false;         // a running request holds it
 };
 
 struct Scheduler::Plan {
@@ -242,8 +243,9 @@ void Scheduler::shutdown(double grace_seconds) {
     }
     {
         std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait_for(lock, std::chrono::duration<double>(std::max(grace_seconds, 0.0)), [&] { return !running_; });
-        if (running_) abort_running_.store(true);
+        cv_.wait_for(lock, std::chrono::duration<double>(std::max(grace_seconds, 0.0)),
+                     [&] { return stats_.running == 0; });
+        if (stats_.running > 0) abort_running_.store(true);
     }
     thread_.join();
     joined_ = true;
@@ -254,47 +256,6 @@ SchedulerStats Scheduler::stats() const {
     SchedulerStats s = stats_;
     if (disk_) s.disk = disk_->stats();
     return s;
-}
-
-void Scheduler::run() {
-    for (;;) {
-        std::shared_ptr<GenerationJob> job;
-        {
-            std::unique_lock<std::mutex> lock(mutex_);
-            cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-            if (queue_.empty()) break;  // stopping, nothing left
-            job = queue_.front();
-            queue_.pop_front();
-            running_ = job;
-            stats_.queued = int64_t(queue_.size());
-            stats_.running = 1;
-        }
-        if (job->cancelled()) {
-            {
-                std::lock_guard<std::mutex> lock(mutex_);
-                ++stats_.requests;
-                ++stats_.cancelled;
-            }
-            job->publish([](GenerationUpdate & u) {
-                u.finished = true;
-                u.finish = FinishReason::cancelled;
-            });
-        } else {
-            process(*job);
-        }
-        std::lock_guard<std::mutex> lock(mutex_);
-        running_.reset();
-        stats_.running = 0;
-        cv_.notify_all();
-    }
-    // Shutdown: keep every live state worth keeping.
-    for (auto & slot : slots_) {
-        try {
-            save_slot(*slot, KvSaveReason::shutdown);
-        } catch (const std::exception & e) {
-            log_warn("kv cache: shutdown save failed: {}", e.what());
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -337,6 +298,7 @@ void Scheduler::save_slot(Slot & slot, KvSaveReason reason) {
 Scheduler::Slot & Scheduler::victim() {
     Slot * best = nullptr;
     for (auto & s : slots_) {
+        if (s->busy) continue;
         const bool empty = s->session->tokens().empty();
         if (!best || (empty && !best->session->tokens().empty()) ||
             (empty == best->session->tokens().empty() && s->last_used < best->last_used))
@@ -352,6 +314,7 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
     auto usable = [](const Session & s, size_t target) { return s.tokens().size() < target || s.has_logits(); };
 
     for (auto & slot : slots_) {  // 1. token prefix
+        if (slot->busy) continue;
         const std::vector<int32_t> & t = slot->session->tokens();
         if (t.empty() || t.size() > prompt.size() || int64_t(t.size()) <= best.reused) continue;
         if (!std::equal(t.begin(), t.end(), prompt.begin()) || !usable(*slot->session, prompt.size())) continue;
@@ -362,6 +325,7 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
     if (!req.pieces.empty()) {
         for (const TextPiece & p : req.pieces) prompt_text += p.text;
         for (auto & slot : slots_) {  // 2. text prefix (the decoded tokens or the visible alias)
+            if (slot->busy) continue;
             refresh_text(*slot);
             const std::vector<int32_t> & t = slot->session->tokens();
             if (int64_t(t.size()) <= best.reused) continue;
@@ -459,182 +423,329 @@ Scheduler::Plan Scheduler::plan(const GenerationRequest & req) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// One request
+// Running requests: admission, prefill pieces, batched decode steps
 // ---------------------------------------------------------------------------------------------------------------------
 
-void Scheduler::process(GenerationJob & job) {
-    const GenerationRequest & req = job.request_;
+// A request that holds a slot: prefilling its prompt, then decoding.
+struct Scheduler::Active {
+    std::shared_ptr<GenerationJob> job;
+    Slot * slot = nullptr;
+    std::vector<int32_t> tokens;  // the prompt as the slot's session will hold it
+    int64_t n_prompt = 0;
+    std::vector<int64_t> cuts;  // prefill ends a piece at each (disk snapshots), the last is n_prompt
+    int64_t prefill_first = 0;  // the session's tokens when the prefill began
+    int64_t pieces = 0;         // prefill pieces evaluated
+    Timer prefill_timer;
     GenerationUsage usage;
-    usage.queue_seconds = now_seconds() - job.submitted_;
-    auto stopped = [&] { return job.cancelled() || abort_running_.load(); };
-    std::string matched_stop;
-    auto finish = [&](FinishReason reason, std::string error, std::string tail) {
-        {
-            // Counted before the submitter hears of it: stats read after a finished job include it.
-            std::lock_guard<std::mutex> lock(mutex_);
-            ++stats_.requests;
-            if (reason == FinishReason::cancelled) ++stats_.cancelled;
-            if (reason == FinishReason::error) ++stats_.errors;
-            stats_.prompt_tokens += uint64_t(usage.prompt_tokens);
-            stats_.cached_tokens += uint64_t(usage.cached_tokens);
-            stats_.generated_tokens += uint64_t(usage.completion_tokens);
-        }
-        job.publish([&](GenerationUpdate & u) {
-            u.finished = true;
-            u.finish = reason;
-            u.error = std::move(error);
-            u.tail = std::move(tail);
-            u.stop_string = matched_stop;
-            u.usage = usage;
-        });
-    };
-    auto stop_reason = [&] { return job.cancelled() ? FinishReason::cancelled : FinishReason::shutdown; };
+    // Decoding (after the prefill):
+    bool decoding = false;
+    std::optional<Sampler> sampler;
+    std::optional<Utf8StreamDecoder> utf8;
+    std::optional<StopMatcher> stops;
+    int64_t limit = 0;  // tokens it may generate
+    std::vector<int32_t> generated;
+    Timer decode_timer;
+    size_t script_pos = 0;
+    bool finished = false;
 
+    bool stopped(const std::atomic<bool> & abort) const { return job->cancelled() || abort.load(); }
+};
+
+void Scheduler::run() {
+    std::vector<std::unique_ptr<Active>> active;
+    for (;;) {
+        // Admission: queued requests take free slots in arrival order.
+        std::vector<std::shared_ptr<GenerationJob>> admitted;
+        {
+            std::unique_lock<std::mutex> lock(mutex_);
+            if (active.empty()) cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+            if (active.empty() && queue_.empty()) break;  // stopping, nothing left
+            while (!queue_.empty() && active.size() + admitted.size() < slots_.size()) {
+                admitted.push_back(queue_.front());
+                queue_.pop_front();
+            }
+            stats_.queued = int64_t(queue_.size());
+            stats_.running += int64_t(admitted.size());  // each leaves the count as it is finished
+        }
+        for (auto & job : admitted) {
+            if (job->cancelled()) {
+                {
+                    std::lock_guard<std::mutex> lock(mutex_);
+                    ++stats_.requests;
+                    ++stats_.cancelled;
+                    --stats_.running;
+                }
+                cv_.notify_all();
+                job->publish([](GenerationUpdate & u) {
+                    u.finished = true;
+                    u.finish = FinishReason::cancelled;
+                });
+                continue;
+            }
+            auto a = std::make_unique<Active>();
+            a->job = job;
+            start(*a);
+            if (!a->finished) active.push_back(std::move(a));
+        }
+        // One piece of a prefill, then one step of every decoding request: a long prompt delays the others' next
+        // tokens by one piece at a time, not by its whole prefill. Prompts take turns (the one with the fewest
+        // pieces, the oldest of those), so a short prompt that arrives during a long one is not queued behind it.
+        Active * next = nullptr;
+        for (auto & a : active)
+            if (!a->decoding && (!next || a->pieces < next->pieces)) next = a.get();
+        if (next) prefill_piece(*next);
+        decode_step(active);
+        std::erase_if(active, [](const std::unique_ptr<Active> & a) { return a->finished; });
+    }
+    // Shutdown: keep every live state worth keeping.
+    for (auto & slot : slots_) {
+        try {
+            save_slot(*slot, KvSaveReason::shutdown);
+        } catch (const std::exception & e) {
+            log_warn("kv cache: shutdown save failed: {}", e.what());
+        }
+    }
+}
+
+void Scheduler::finish(Active & a, FinishReason reason, std::string error, std::string tail, std::string stop_string) {
+    a.finished = true;
+    if (a.slot) a.slot->busy = false;
+    {
+        // Counted before the submitter hears of it: stats read after a finished job include it.
+        std::lock_guard<std::mutex> lock(mutex_);
+        --stats_.running;
+        ++stats_.requests;
+        if (reason == FinishReason::cancelled) ++stats_.cancelled;
+        if (reason == FinishReason::error) ++stats_.errors;
+        stats_.prompt_tokens += uint64_t(a.usage.prompt_tokens);
+        stats_.cached_tokens += uint64_t(a.usage.cached_tokens);
+        stats_.generated_tokens += uint64_t(a.usage.completion_tokens);
+    }
+    cv_.notify_all();  // shutdown() waits for the running count
+    a.job->publish([&](GenerationUpdate & u) {
+        u.finished = true;
+        u.finish = reason;
+        u.error = std::move(error);
+        u.tail = std::move(tail);
+        u.stop_string = std::move(stop_string);
+        u.usage = a.usage;
+    });
+}
+
+void Scheduler::fail(Active & a, const std::exception & e) {
+    log_warn("generation failed: {}", e.what());
+    finish(a, FinishReason::error, e.what(), {}, {});
+}
+
+void Scheduler::interrupt(Active & a) {
+    finish(a, a.job->cancelled() ? FinishReason::cancelled : FinishReason::shutdown, {}, {}, {});
+}
+
+void Scheduler::start(Active & a) {
+    const GenerationRequest & req = a.job->request_;
+    a.usage.queue_seconds = now_seconds() - a.job->submitted_;
     try {
         Plan p = plan(req);
-        Slot & slot = *p.slot;
-        slot.last_used = ++tick_;
-        Session & session = *slot.session;
-        const int64_t n_prompt = int64_t(p.tokens.size());
-        usage.prompt_tokens = n_prompt;
-        usage.cached_tokens = p.reused;
-        usage.cache_source = p.source;
+        a.slot = p.slot;
+        a.slot->busy = true;
+        a.slot->last_used = ++tick_;
+        a.tokens = std::move(p.tokens);
+        a.n_prompt = int64_t(a.tokens.size());
+        a.usage.prompt_tokens = a.n_prompt;
+        a.usage.cached_tokens = p.reused;
+        a.usage.cache_source = p.source;
         if (p.reused > 0 && p.source != "disk") {
             std::lock_guard<std::mutex> lock(mutex_);
             ++stats_.live_hits;
         }
-        if (n_prompt >= options_.n_ctx) {
-            finish(FinishReason::error,
-                   fmt::format("the prompt has {} tokens; the context holds {}", n_prompt, options_.n_ctx), {});
+        if (a.n_prompt >= options_.n_ctx) {
+            finish(a, FinishReason::error,
+                   fmt::format("the prompt has {} tokens; the context holds {}", a.n_prompt, options_.n_ctx), {}, {});
             return;
         }
-        job.publish([&](GenerationUpdate & u) {
+        a.job->publish([&](GenerationUpdate & u) {
             u.started = true;
             u.prefill_done = p.reused;
-            u.prefill_total = n_prompt;
-            u.usage = usage;
+            u.prefill_total = a.n_prompt;
+            u.usage = a.usage;
         });
-
-        // Prefill, in segments that end where a disk snapshot is due.
-        std::vector<int64_t> cuts;
+        // The prefill's pieces end where a disk snapshot is due.
         if (disk_) {
-            if (req.cache_cut > p.reused && req.cache_cut < n_prompt && req.cache_cut >= options_.kv_cache_min_tokens)
-                cuts.push_back(req.cache_cut);
+            if (req.cache_cut > p.reused && req.cache_cut < a.n_prompt && req.cache_cut >= options_.kv_cache_min_tokens)
+                a.cuts.push_back(req.cache_cut);
             if (options_.kv_cache_interval > 0)
-                for (int64_t c = (p.reused / options_.kv_cache_interval + 1) * options_.kv_cache_interval; c < n_prompt;
-                     c += options_.kv_cache_interval)
-                    cuts.push_back(c);
-            std::sort(cuts.begin(), cuts.end());
+                for (int64_t c = (p.reused / options_.kv_cache_interval + 1) * options_.kv_cache_interval;
+                     c < a.n_prompt; c += options_.kv_cache_interval)
+                    a.cuts.push_back(c);
+            std::sort(a.cuts.begin(), a.cuts.end());
         }
-        cuts.push_back(n_prompt);
-        Timer prefill_timer;
-        const int64_t first = int64_t(session.tokens().size());
-        bool prefilled = true;
-        for (int64_t cut : cuts) {
-            const int64_t at = int64_t(session.tokens().size());
-            if (cut <= at) continue;
-            const bool done = session.eval(std::span<const int32_t>(p.tokens).subspan(size_t(at), size_t(cut - at)),
-                                           false, [&](int64_t d, int64_t) {
-                                               job.publish([&](GenerationUpdate & u) { u.prefill_done = at + d; });
-                                               return !stopped();
-                                           });
-            if (!done || stopped()) {
-                prefilled = false;
-                break;
-            }
-            if (cut < n_prompt) save_state(slot, cut == req.cache_cut ? KvSaveReason::cold : KvSaveReason::interval);
-        }
-        usage.prefill_seconds = prefill_timer.seconds();
-        {
+        a.cuts.push_back(a.n_prompt);
+        a.prefill_first = int64_t(a.slot->session->tokens().size());
+        a.prefill_timer = Timer();
+        if (a.prefill_first == a.n_prompt) begin_decode(a);  // the whole prompt was cached
+    } catch (const std::exception & e) {
+        fail(a, e);
+    }
+}
+
+void Scheduler::prefill_piece(Active & a) {
+    const GenerationRequest & req = a.job->request_;
+    Session & session = *a.slot->session;
+    ++a.pieces;
+    try {
+        const int64_t at = int64_t(session.tokens().size());
+        const int64_t cut = *std::upper_bound(a.cuts.begin(), a.cuts.end(), at);
+        // A piece is one of the engine's chunks (Session::eval splits longer calls into chunks of this size from
+        // their start, so the pieces chunk the prompt as one call would).
+        const int64_t chunk = engine_.info().n_ubatch;
+        const int64_t end = chunk > 0 ? std::min(cut, at + chunk) : cut;
+        const bool done = session.eval(std::span<const int32_t>(a.tokens).subspan(size_t(at), size_t(end - at)), false,
+                                       [&](int64_t d, int64_t) {
+                                           a.job->publish([&](GenerationUpdate & u) { u.prefill_done = at + d; });
+                                           return !a.stopped(abort_running_);
+                                       });
+        const bool complete = done && end == a.n_prompt && !a.stopped(abort_running_);
+        if (!done || a.stopped(abort_running_) || complete) {
+            a.usage.prefill_seconds = a.prefill_timer.seconds();
             std::lock_guard<std::mutex> lock(mutex_);
-            const int64_t n = int64_t(session.tokens().size()) - first;
+            const int64_t n = int64_t(session.tokens().size()) - a.prefill_first;
             stats_.prefill_tokens += uint64_t(n);
-            stats_.prefill_seconds += usage.prefill_seconds;
-            if (prefilled && n > 0 && usage.prefill_seconds > 0)
-                stats_.last_prefill_tps = double(n) / usage.prefill_seconds;
+            stats_.prefill_seconds += a.usage.prefill_seconds;
+            if (complete && n > 0 && a.usage.prefill_seconds > 0)
+                stats_.last_prefill_tps = double(n) / a.usage.prefill_seconds;
         }
-        if (!prefilled) {
-            finish(stop_reason(), {}, {});
+        if (!done || a.stopped(abort_running_)) {
+            interrupt(a);
             return;
         }
+        if (end == cut && cut < a.n_prompt)
+            save_state(*a.slot, cut == req.cache_cut ? KvSaveReason::cold : KvSaveReason::interval);
+        if (complete) begin_decode(a);
+    } catch (const std::exception & e) {
+        fail(a, e);
+    }
+}
 
-        // Decode.
-        Sampler sampler(req.sampling);
-        Utf8StreamDecoder utf8(tokenizer_);
-        StopMatcher stops(req.stop);
-        const int64_t limit = std::min<int64_t>(std::max<int64_t>(req.max_tokens, 1), options_.n_ctx - n_prompt);
-        std::vector<int32_t> generated;
-        Timer decode_timer;
-        FinishReason reason = FinishReason::length;
-        bool interrupted = false;
+void Scheduler::begin_decode(Active & a) {
+    const GenerationRequest & req = a.job->request_;
+    a.decoding = true;
+    a.sampler.emplace(req.sampling);
+    a.utf8.emplace(tokenizer_);
+    a.stops.emplace(req.stop);
+    a.limit = std::min<int64_t>(std::max<int64_t>(req.max_tokens, 1), options_.n_ctx - a.n_prompt);
+    a.decode_timer = Timer();
+}
+
+void Scheduler::decode_step(std::vector<std::unique_ptr<Active>> & active) {
+    std::vector<Active *> decoding;
+    for (auto & a : active)
+        if (a->decoding && !a->finished) decoding.push_back(a.get());
+    if (decoding.empty()) return;
 #ifdef DSV4_TEST_HOOKS
-        size_t script_pos = 0;
+    int delay_ms = 0;
+    for (Active * a : decoding) delay_ms = std::max(delay_ms, a->job->request_.test_step_delay_ms);
+    auto any_stopped = [&] {
+        return std::any_of(decoding.begin(), decoding.end(), [&](Active * a) { return a->stopped(abort_running_); });
+    };
+    for (int w = 0; w < delay_ms && !any_stopped(); w += 5) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 #endif
-        for (int64_t step = 0; step < limit; ++step) {
-#ifdef DSV4_TEST_HOOKS
-            for (int w = 0; w < req.test_step_delay_ms && !stopped(); w += 5)
-                std::this_thread::sleep_for(std::chrono::milliseconds(5));
-#endif
-            if (stopped()) {
-                interrupted = true;
-                break;
-            }
+    // Each request draws its token from its own logits; those that go on are evaluated together.
+    std::vector<Active *> stepping;
+    std::vector<Session *> sessions;
+    std::vector<int32_t> next;
+    for (Active * a : decoding) {
+        if (a->stopped(abort_running_)) {
+            end_decode(*a, std::nullopt);
+            continue;
+        }
+        try {
             SampledToken tok;
 #ifdef DSV4_TEST_HOOKS
-            if (!req.scripted.empty())
-                tok.id = script_pos < req.scripted.size() ? req.scripted[script_pos++] : tokenizer_.eos_id();
+            const std::vector<int32_t> & scripted = a->job->request_.scripted;
+            if (!scripted.empty())
+                tok.id = a->script_pos < scripted.size() ? scripted[a->script_pos++] : tokenizer_.eos_id();
             else
 #endif
-                tok = session.sample(sampler);
+                tok = a->slot->session->sample(*a->sampler);
             if (tok.id == tokenizer_.eos_id()) {
-                reason = FinishReason::eos;
-                break;
+                end_decode(*a, FinishReason::eos);
+                continue;
             }
-            ++usage.completion_tokens;
-            generated.push_back(tok.id);
+            ++a->usage.completion_tokens;
+            a->generated.push_back(tok.id);
             bool matched = false;
-            GeneratedToken out{tok.id, stops.push(utf8.push(tok.id), &matched), tok.logprob, std::move(tok.top)};
-            job.publish([&](GenerationUpdate & u) { u.tokens.push_back(std::move(out)); });
+            GeneratedToken out{tok.id, a->stops->push(a->utf8->push(tok.id), &matched), tok.logprob,
+                               std::move(tok.top)};
+            a->job->publish([&](GenerationUpdate & u) { u.tokens.push_back(std::move(out)); });
             if (matched) {
-                reason = FinishReason::stop;
-                break;
+                end_decode(*a, FinishReason::stop);
+                continue;
             }
-            if (step + 1 == limit) break;  // nothing follows this token: no need to evaluate it
-            session.eval(std::span<const int32_t>(&generated.back(), 1));
-            if (disk_ && options_.kv_cache_interval > 0 && session.n_past() % options_.kv_cache_interval == 0)
-                save_state(slot, KvSaveReason::interval);
+            if (int64_t(a->generated.size()) == a->limit) {  // nothing follows this token: no need to evaluate it
+                end_decode(*a, FinishReason::length);
+                continue;
+            }
+        } catch (const std::exception & e) {
+            fail(*a, e);
+            continue;
         }
-        usage.decode_seconds = decode_timer.seconds();
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            stats_.decode_seconds += usage.decode_seconds;
-            if (usage.completion_tokens > 0 && usage.decode_seconds > 0)
-                stats_.last_decode_tps = double(usage.completion_tokens) / usage.decode_seconds;
+        stepping.push_back(a);
+        sessions.push_back(a->slot->session.get());
+        next.push_back(a->generated.back());
+    }
+    if (stepping.empty()) return;
+    try {
+        engine_.decode_batch(sessions, next);
+    } catch (const std::exception & e) {
+        for (Active * a : stepping) fail(*a, e);
+        return;
+    }
+    for (Active * a : stepping) {
+        const Session & session = *a->slot->session;
+        if (disk_ && options_.kv_cache_interval > 0 && session.n_past() % options_.kv_cache_interval == 0) {
+            try {
+                save_state(*a->slot, KvSaveReason::interval);
+            } catch (const std::exception & e) {
+                fail(*a, e);
+            }
         }
-        if (interrupted) {
-            finish(stop_reason(), {}, {});
-            return;
-        }
-        std::string tail;
+    }
+}
+
+void Scheduler::end_decode(Active & a, std::optional<FinishReason> how) {
+    a.usage.decode_seconds = a.decode_timer.seconds();
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stats_.decode_seconds += a.usage.decode_seconds;
+        if (a.usage.completion_tokens > 0 && a.usage.decode_seconds > 0)
+            stats_.last_decode_tps = double(a.usage.completion_tokens) / a.usage.decode_seconds;
+    }
+    if (!how) {  // cancelled or shut down
+        interrupt(a);
+        return;
+    }
+    FinishReason reason = *how;
+    std::string tail;
+    try {
         if (reason != FinishReason::stop) {
             bool matched = false;
-            tail = stops.push(utf8.finish(), &matched);
+            tail = a.stops->push(a.utf8->finish(), &matched);
             if (matched)
                 reason = FinishReason::stop;
             else
-                tail += stops.finish();
+                tail += a.stops->finish();
         }
-        if (reason == FinishReason::stop) matched_stop = stops.matched();
+        const GenerationRequest & req = a.job->request_;
         if (reason == FinishReason::eos && req.visible_alias) {
             // Every generated token was evaluated (EOS itself is not): the alias covers exactly the session.
-            refresh_text(slot);
-            slot.alias = req.visible_alias(tokenizer_.decode(generated));
+            refresh_text(*a.slot);
+            a.slot->alias = req.visible_alias(tokenizer_.decode(a.generated));
         }
-        finish(reason, {}, std::move(tail));
     } catch (const std::exception & e) {
-        log_warn("generation failed: {}", e.what());
-        finish(FinishReason::error, e.what(), {});
+        fail(a, e);
+        return;
     }
+    finish(a, reason, {}, std::move(tail), reason == FinishReason::stop ? a.stops->matched() : std::string());
 }
 
 }  // namespace dsv4

@@ -1,7 +1,10 @@
 // The scheduler: one inference thread that owns every session of an Engine and runs generation requests from a
-// FIFO queue, one at a time (the model's scratch is shared; batching will later run several together).
+// FIFO queue, up to one per session at once. Each loop it admits queued requests while sessions are free, evaluates
+// one piece of a running prefill (an engine chunk, or up to the next snapshot point; prompts take turns), then steps
+// every decoding request by one token in one Engine::decode_batch call: a short request's tokens come between a long
+// one's, and a long prompt delays the others by one piece at a time.
 //
-// For each request it picks the session that saves the most prefill:
+// For each request it picks, among the sessions no running request holds, the one that saves the most prefill:
 //   1. live, token prefix: a session whose tokens are a prefix of the prompt's tokens (extend it);
 //   2. live, text prefix: a session whose decoded text, or its visible alias (below), is a byte prefix of the
 //      rendered prompt: the session's own tokens are kept and only the rest of the prompt is tokenized, so a
@@ -20,7 +23,7 @@
 // Generation streams text, not just tokens: the inference thread detokenizes (UTF-8 sequences split across tokens
 // are held back) and applies stop strings (text that may still become a stop string is held back; generation
 // ends before the first occurrence), so a stop ends decoding at exactly the right token. Cancellation (the client
-// went away) is checked between prefill chunks and before every decoded token.
+// went away) is checked between prefill chunks and before every decoded token; it ends that request only.
 #pragma once
 
 #include "dsv4/engine.h"
@@ -35,6 +38,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,7 +47,8 @@ namespace dsv4 {
 
 struct SchedulerOptions {
     int64_t n_ctx = 32768;    // tokens per session
-    int n_sessions = 1;       // live KV timelines kept (each allocates Engine::session_bytes(n_ctx))
+    // Live KV timelines kept, and so the requests that run at once (each allocates Engine::session_bytes(n_ctx)).
+    int n_sessions = 1;
     std::string kv_disk_dir;  // empty: no disk cache
     uint64_t kv_disk_budget = uint64_t(4096) << 20;
     int64_t kv_cache_min_tokens = 512;  // states shorter than this are not worth a file
@@ -188,8 +193,18 @@ class Scheduler {
   private:
     struct Slot;
     struct Plan;
+    struct Active;
     void run();
-    void process(GenerationJob & job);
+    // A running request's stages, each on the inference thread: take a slot and plan the prefill; evaluate one
+    // piece of the prompt; set up sampling; one token of every decoding request (one batched engine step); end.
+    void start(Active & a);
+    void prefill_piece(Active & a);
+    void begin_decode(Active & a);
+    void decode_step(std::vector<std::unique_ptr<Active>> & active);
+    void end_decode(Active & a, std::optional<FinishReason> how);  // nullopt: cancelled or shut down
+    void finish(Active & a, FinishReason reason, std::string error, std::string tail, std::string stop_string);
+    void fail(Active & a, const std::exception & e);
+    void interrupt(Active & a);
     Plan plan(const GenerationRequest & request);
     Slot & victim();
     void save_slot(Slot & slot, KvSaveReason reason);
@@ -206,7 +221,6 @@ class Scheduler {
     mutable std::mutex mutex_;
     std::condition_variable cv_;
     std::deque<std::shared_ptr<GenerationJob>> queue_;
-    std::shared_ptr<GenerationJob> running_;
     bool stopping_ = false;
     std::atomic<bool> abort_running_{false};
     SchedulerStats stats_;

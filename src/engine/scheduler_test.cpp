@@ -32,6 +32,8 @@ struct FakeLog {
     std::vector<int32_t> first_tokens;  // tokens[0] of every eval call that starts a sequence (n_past 0)
     int64_t evaluated = 0;              // tokens evaluated in total
     int64_t chunks = 0;
+    std::vector<size_t> steps;  // sessions of every decode_batch call
+    std::string events;         // P: a prefill call's chunk (more than one token), D: a decode_batch call
 };
 
 class FakeSession final : public Session {
@@ -64,6 +66,7 @@ class FakeSession final : public Session {
                 std::lock_guard<std::mutex> lock(log_.mutex);
                 log_.evaluated += int64_t(n);
                 ++log_.chunks;
+                if (t.size() > 1) log_.events += 'P';
             }
             if (progress && !progress(int64_t(i + n), int64_t(t.size()))) {
                 logits_.clear();
@@ -112,12 +115,22 @@ class FakeEngine final : public Engine {
         info_.fingerprint = 77;
     }
     const ModelInfo & info() const override { return info_; }
+    void set_ubatch(int64_t n) { info_.n_ubatch = n; }  // the scheduler prefills in pieces of this many tokens
     const Tokenizer * tokenizer() const override { return &vocab(); }
     std::unique_ptr<Session> new_session(int64_t n_ctx) override {
         return std::make_unique<FakeSession>(n_ctx, next_, log, chunk_, chunk_ms_);
     }
     uint64_t session_bytes(int64_t n_ctx) const override { return uint64_t(n_ctx) * 1000; }
     uint64_t peak_device_bytes() const override { return 0; }
+    void decode_batch(std::span<Session * const> sessions, std::span<const int32_t> tokens) override {
+        {
+            std::lock_guard<std::mutex> lock(log.mutex);
+            log.steps.push_back(sessions.size());
+            log.events += 'D';
+        }
+        for (size_t i = 0; i < sessions.size(); ++i) sessions[i]->eval(tokens.subspan(i, 1));
+    }
+    bool batched_decode() const override { return true; }
 
     FakeLog log;
 
@@ -231,6 +244,103 @@ TEST(Scheduler, RunsJobsInArrivalOrder) {
     for (auto & j : jobs) EXPECT_EQ(drain(*j).last.finish, FinishReason::length);
     std::lock_guard<std::mutex> lock(engine.log.mutex);
     EXPECT_EQ(engine.log.first_tokens, (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
+}
+
+// Up to --sessions requests run at once, each decode step one engine call for all of them; the others wait in the
+// queue for a slot. Each reply is its own (the "model" answers from the prompt's first token), and cancelling one
+// leaves the rest running.
+TEST(Scheduler, RunsRequestsTogetherUpToTheSessions) {
+    FakeEngine engine([](const std::vector<int32_t> & t) { return t[0] - 1000 + vocab().token_id("a"); });
+    SchedulerOptions o;
+    o.n_sessions = 3;
+    Scheduler s(engine, o);
+    std::vector<std::shared_ptr<GenerationJob>> jobs;
+    for (int32_t first : {1000, 1001, 1002, 1003}) {
+        GenerationRequest r = greedy({first, 7, 7}, 12);
+        r.test_step_delay_ms = 5;
+        jobs.push_back(s.submit(r));
+    }
+    GenerationRequest endless = greedy({1004, 7}, 100000);
+    endless.test_step_delay_ms = 5;
+    auto cancelled = s.submit(endless);
+    for (int i = 0; i < 4; ++i) {
+        const Result r = drain(*jobs[size_t(i)]);
+        EXPECT_EQ(r.last.finish, FinishReason::length);
+        EXPECT_EQ(r.tokens, std::vector<int32_t>(12, vocab().token_id("a") + i)) << "request " << i;
+    }
+    while (cancelled->wait(0.1).tokens.empty()) {
+    }
+    cancelled->cancel();
+    EXPECT_EQ(drain(*cancelled).last.finish, FinishReason::cancelled);
+    std::lock_guard<std::mutex> lock(engine.log.mutex);
+    EXPECT_EQ(*std::max_element(engine.log.steps.begin(), engine.log.steps.end()), 3u);
+    // The first three ran side by side: each is admitted and prefilled one loop after the one before, so the third's
+    // 11 evaluated tokens (the 12th is not evaluated) take 9 steps of three when the queue filled at once.
+    EXPECT_GE(std::count(engine.log.steps.begin(), engine.log.steps.end(), 3u), 5);
+    EXPECT_EQ(engine.log.first_tokens, (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
+    EXPECT_EQ(s.stats().cancelled, 1u);
+}
+
+// A long prompt is prefilled one engine chunk at a time, with a decode step of the running requests between
+// pieces: their tokens keep coming while it prefills.
+TEST(Scheduler, DecodingGoesOnBetweenThePiecesOfALongPrefill) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); }, 16, 10);
+    engine.set_ubatch(16);
+    SchedulerOptions o;
+    o.n_sessions = 2;
+    Scheduler s(engine, o);
+    GenerationRequest talker = greedy({1, 2}, 100000);
+    talker.test_step_delay_ms = 2;
+    auto a = s.submit(talker);
+    while (a->wait(0.1).tokens.empty()) {
+    }
+    size_t mark = 0;
+    {
+        std::lock_guard<std::mutex> lock(engine.log.mutex);
+        mark = engine.log.events.size();
+    }
+    auto b = s.submit(greedy(std::vector<int32_t>(160, 9), 1));
+    EXPECT_EQ(drain(*b).last.finish, FinishReason::length);
+    a->cancel();
+    drain(*a);
+    std::lock_guard<std::mutex> lock(engine.log.mutex);
+    const std::string e = engine.log.events.substr(mark);
+    ASSERT_EQ(std::count(e.begin(), e.end(), 'P'), 10) << e;
+    const std::string prefill = e.substr(e.find('P'), e.rfind('P') - e.find('P') + 1);
+    EXPECT_EQ(std::count(prefill.begin(), prefill.end(), 'D'), 9) << e;  // one step between every two pieces
+}
+
+// Prompts being prefilled take turns: a short one submitted during a long prefill is answered before that prefill ends.
+TEST(Scheduler, AShortPromptIsNotQueuedBehindALongPrefill) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); }, 16, 10);
+    engine.set_ubatch(16);
+    SchedulerOptions o;
+    o.n_sessions = 2;
+    Scheduler s(engine, o);
+    auto longer = s.submit(greedy(std::vector<int32_t>(320, 9), 1));  // 20 pieces of 10 ms
+    auto shorter = s.submit(greedy(std::vector<int32_t>(16, 8), 1));
+    EXPECT_EQ(drain(*shorter).last.finish, FinishReason::length);
+    {
+        std::lock_guard<std::mutex> lock(engine.log.mutex);
+        EXPECT_LT(engine.log.evaluated, 320 + 16) << "the long prefill ended first";
+    }
+    EXPECT_EQ(drain(*longer).last.finish, FinishReason::length);
+}
+
+// A request cancelled while queued never holds a session, and the running count says so once it is dropped.
+TEST(Scheduler, ACancelledRequestIsNotCountedAsRunning) {
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); });
+    Scheduler s(engine, {});
+    GenerationRequest slow = greedy({1, 2}, 20);
+    slow.test_step_delay_ms = 10;
+    auto running = s.submit(slow);
+    auto queued = s.submit(greedy({3, 4}, 5));
+    queued->cancel();
+    EXPECT_EQ(drain(*running).last.finish, FinishReason::length);
+    EXPECT_EQ(drain(*queued).last.finish, FinishReason::cancelled);
+    Timer t;
+    while (s.stats().running != 0 && t.seconds() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    EXPECT_EQ(s.stats().running, 0);
 }
 
 TEST(Scheduler, CancelledQueuedJobNeverRuns) {

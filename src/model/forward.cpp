@@ -225,10 +225,10 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     Workspace & w = *ws_;
     Backend & b = backend_;
     const int64_t pos0 = state.n_past();
+    const SeqRun run{&state, 0, pos0, n};
 
-    Tensor tok = first(w.tokens, n);
-    b.write(tok, tokens, size_t(n) * sizeof(int32_t));
-    write_positions(pos0, n);
+    b.write(first(w.tokens, n), tokens, size_t(n) * sizeof(int32_t));
+    write_positions({&run, 1}, n);
     // Only the rows whose logits are wanted go through the head (the LM head is the largest matrix), at most
     // kHeadRows at once (the logits buffer's rows).
     const int64_t first_row = mode == LogitsMode::last ? n - 1 : 0;
@@ -249,22 +249,15 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     if (checked) state.save_frontiers(w.frontier_backup);
     bool stopped = false;
     auto body = [&] {
-        Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
-        Tensor x = first(w.x, n);
-        b.get_rows(W.token_embd, tok, x);
-        trace("embed", -1, x);
-        b.hc_expand(x, streams);
-        attn_pre(W.layers[0], streams, n);
-        for (int64_t il = 0; il < c.n_layer; ++il) {
-            block(W.layers[size_t(il)], c.layers[size_t(il)], state.layer(il), il, pos0, n, streams, streams2,
-                  il + 1 < c.n_layer ? &W.layers[size_t(il + 1)] : nullptr);
-            if (checked && il + 1 < c.n_layer) {
+        std::function<bool(int64_t)> after_layer;
+        if (checked)
+            after_layer = [&](int64_t layers) {
                 b.synchronize();
-                if (!between_layers(il + 1)) {
-                    stopped = true;
-                    return;
-                }
-            }
+                return between_layers(layers);
+            };
+        if (!trunk({&run, 1}, n, after_layer)) {
+            stopped = true;
+            return;
         }
         if (rows == 1) {
             // One row (a decode step, a prompt's end): straight into the state's copy, and the sampler's candidates
@@ -311,6 +304,55 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
     return true;
 }
 
+bool Model::trunk(std::span<const SeqRun> runs, int64_t n, const std::function<bool(int64_t layers)> & after_layer) {
+    const ModelConfig & c = config_;
+    const ModelWeights & W = weights_;
+    Workspace & w = *ws_;
+    Tensor streams = first(w.streams, n), streams2 = first(w.streams2, n);
+    Tensor x = first(w.x, n);
+    backend_.get_rows(W.token_embd, first(w.tokens, n), x);
+    trace("embed", -1, x);
+    backend_.hc_expand(x, streams);
+    attn_pre(W.layers[0], streams, n);
+    for (int64_t il = 0; il < c.n_layer; ++il) {
+        block(W.layers[size_t(il)], c.layers[size_t(il)], runs, il, n, streams, streams2,
+              il + 1 < c.n_layer ? &W.layers[size_t(il + 1)] : nullptr);
+        if (after_layer && il + 1 < c.n_layer && !after_layer(il + 1)) return false;
+    }
+    return true;
+}
+
+void Model::decode_batch(std::span<KvState * const> states, std::span<const int32_t> tokens) {
+    const int64_t n = int64_t(states.size());
+    DSV4_CHECK(n >= 1 && n <= max_batch(), "a batched step runs 1 to {} sequences (got {})", max_batch(), n);
+    DSV4_CHECK(tokens.size() == states.size(), "a batched step got {} tokens for {} sequences", tokens.size(), n);
+    std::vector<SeqRun> runs;
+    for (int64_t i = 0; i < n; ++i) {
+        KvState * s = states[size_t(i)];
+        DSV4_CHECK(s->n_past() + 1 <= s->n_ctx(), "1 token after {} exceeds the context of {}", s->n_past(),
+                   s->n_ctx());
+        DSV4_CHECK(tokens[size_t(i)] >= 0 && tokens[size_t(i)] < config_.n_vocab,
+                   "token id {} outside the vocabulary [0, {})", tokens[size_t(i)], config_.n_vocab);
+        for (const SeqRun & r : runs) DSV4_CHECK(r.state != s, "a batched step names one sequence twice");
+        runs.push_back({s, i, s->n_past(), 1});
+    }
+    Workspace & w = *ws_;
+    Backend & b = backend_;
+    b.write(first(w.tokens, n), tokens.data(), size_t(n) * sizeof(int32_t));
+    write_positions(runs, n);
+    candidates_of_ = nullptr;
+    // Not captured: a device backend would keep a capture per set of states and bounds.
+    trunk(runs, n, {});
+    Tensor logits = first(w.logits, n);
+    head(make_tensor(GgmlType::F32, w.streams.data, config_.n_embd, config_.hc, 1, n), weights_.output_hc_fn,
+         weights_.output_hc_scale, weights_.output_hc_base, weights_.output_norm, n, logits);
+    const size_t row_bytes = size_t(config_.n_vocab) * sizeof(float);
+    for (int64_t i = 0; i < n; ++i)
+        b.copy(states[size_t(i)]->last_logits(), logits, row_bytes, 0, size_t(i) * row_bytes);
+    for (KvState * s : states) s->set_n_past(s->n_past() + 1);
+    b.synchronize();
+}
+
 void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {
     Workspace & w = *ws_;
     if (candidates_of_ != &state) {
@@ -329,9 +371,10 @@ void Model::read_last_logits(const KvState & state, float * logits) {
     backend_.read(state.last_logits(), logits, state.last_logits().n_bytes());
 }
 
-void Model::write_positions(int64_t pos0, int64_t n) {
+void Model::write_positions(std::span<const SeqRun> runs, int64_t n) {
     std::vector<int32_t> pos(static_cast<size_t>(n));
-    for (int64_t t = 0; t < n; ++t) pos[size_t(t)] = int32_t(pos0 + t);
+    for (const SeqRun & r : runs)
+        for (int64_t t = 0; t < r.n; ++t) pos[size_t(r.row0 + t)] = int32_t(r.pos0 + t);
     backend_.write(first(ws_->positions, n), pos.data(), pos.size() * sizeof(int32_t));
 }
 
@@ -363,9 +406,10 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
     Backend & b = backend_;
     const int64_t D = c.n_embd;
 
+    const SeqRun run{&state, 0, pos0, n};
     Tensor tok = first(w.tokens, n);
     b.write(tok, next_tokens.data(), size_t(n) * sizeof(int32_t));
-    write_positions(pos0, n);
+    write_positions({&run, 1}, n);
     Tensor e = first(w.x, n), en = first(w.xn, n);
     b.get_rows(weights_.token_embd, tok, e);
     b.rms_norm(e, M.enorm, en, c.norm_eps);
@@ -393,7 +437,7 @@ void Model::mtp_eval(KvState & state, int64_t pos0, std::span<const int32_t> nex
         b.add(streams, streams2, streams);
     }
     attn_pre(M.block, streams, n);
-    block(M.block, M.config, state.mtp(), c.n_layer, pos0, n, streams, streams2, nullptr);
+    block(M.block, M.config, {&run, 1}, c.n_layer, n, streams, streams2, nullptr);
     if (hidden_out) b.read(streams, hidden_out, streams.n_bytes());
     head(streams, M.hc_head_fn, M.hc_head_scale, M.hc_head_base, M.norm, n, first(w.logits, n));
     b.read(first(w.logits, n), logits, size_t(n * c.n_vocab) * sizeof(float));
@@ -409,8 +453,8 @@ void Model::attn_pre(const LayerWeights & L, const Tensor & streams, int64_t n) 
                     first(w.post, n), first(w.comb, n));
 }
 
-void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
-                  int64_t n, Tensor & streams, Tensor & streams2, const LayerWeights * next) {
+void Model::block(const LayerWeights & L, const LayerConfig & lc, std::span<const SeqRun> runs, int64_t il, int64_t n,
+                  Tensor & streams, Tensor & streams2, const LayerWeights * next) {
     Workspace & w = *ws_;
     Backend & b = backend_;
     Tensor xn = first(w.xn, n), out = first(w.out, n);
@@ -418,7 +462,7 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
     // Attention sublayer: HCPre mixed the streams into one input (normed in the same op); HCPost writes the output
     // back into all streams (there is no other residual path), fused with the FFN's HCPre.
     trace("attn_in", il, xn);
-    attention(L, lc, S, il, pos0, n);
+    attention(L, lc, runs, il, n);
     trace("attn_out", il, out);
     b.hc_post_pre(streams, out, post, comb, streams2, hc_pre_of(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, L.ffn_norm),
                   xn);
@@ -436,7 +480,7 @@ void Model::block(const LayerWeights & L, const LayerConfig & lc, LayerState & S
     trace("out", il, streams);
 }
 
-void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
+void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<const SeqRun> runs, int64_t il,
                       int64_t n) {
     const ModelConfig & c = config_;
     Workspace & w = *ws_;
@@ -451,6 +495,17 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     const int64_t R = lc.compress_ratio;
     const int64_t width = (csa ? 2 : 1) * d;  // compressor projections: two overlapping halves on CSA layers
     const int64_t dI = c.indexer_dim, HI = c.indexer_heads;
+    auto state_of = [&](const SeqRun & r) -> LayerState & {
+        return il < c.n_layer ? r.state->layer(il) : r.state->mtp();
+    };
+    // A run's rows of an activation whose token axis is the outermost (first()), and of a [n, width] matrix.
+    auto rows_of = [](const Tensor & t, const SeqRun & r) {
+        Tensor v = t;
+        v.data = static_cast<char *>(t.data) + size_t(r.row0) * (t.n_bytes() / size_t(t.ne[3]));
+        v.ne[3] = r.n;
+        return v;
+    };
+    auto matrix_rows = [](const Tensor & t, const SeqRun & r) { return row_view(t, r.row0, r.n); };
 
     // Every projection of the normed input at once: the low-rank query, the K=V row, the compressor's values and
     // gate scores and, on CSA layers, the indexer compressor's and the indexer head weights.
@@ -470,31 +525,36 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     // rotated; the indexer's queries come from the same normed vector, unnormalised, rotated likewise.
     b.rms_norm(cq, L.q_a_norm, cq, c.norm_eps);
     Tensor q = first(w.q, n);
-    const int64_t bound = context_bound(pos0 + n);
-    const int64_t b0 = compressed ? pos0 / R : 0;
-    const int64_t m = compressed ? (pos0 + n) / R - b0 : 0;  // rows completed by this chunk (traces only)
-    CompressedRows comp;
+    // Each run attends over its own state up to its own context bound.
+    auto bound_of = [](const SeqRun & r) { return context_bound(r.pos0 + r.n); };
+    const int64_t bound = bound_of(runs.front());
 
     // A CSA layer's indexer picks the compressed rows each token attends to: its own compressor, query product and
     // scores, needed only by the attention. After its query's product, the rest may run as a branch beside the
     // query's product and norm: a decode step's indexer is a chain of small latency-bound kernels, long enough to
-    // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable).
+    // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable). A
+    // batch has no branch: its captures are not kept, and its per-run chains are its own.
     Tensor sel;
-    const bool branch = csa && bound >= indexer_branch_context_;
+    const bool branch = csa && runs.size() == 1 && bound >= indexer_branch_context_;
     if (csa) {
         Tensor iq = first(w.idx_q, n);
         b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
         if (branch) b.begin_branch(n);
         const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
                                           official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
-        b.compressor_update(ikv, iscore, L.idx_comp_ape, S.idx_kv, S.idx_score, pos, R, true, ifinish, S.idx_keys);
+        for (const SeqRun & r : runs) {
+            LayerState & S = state_of(r);
+            b.compressor_update(rows_of(ikv, r), rows_of(iscore, r), L.idx_comp_ape, S.idx_kv, S.idx_score,
+                                rows_of(pos, r), R, true, ifinish, S.idx_keys);
+        }
         b.rope(iq, rope, pos, false);
         if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
         if (c.indexer_top_k > 0) {
             sel = first(w.selected, n);
             // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
-            b.indexer_select(iq, iw, visible_rows(S.idx_keys, bound, R), pos, R,
-                             1.0f / std::sqrt(float(dI) * float(HI)), sel);
+            for (const SeqRun & r : runs)
+                b.indexer_select(rows_of(iq, r), rows_of(iw, r), visible_rows(state_of(r).idx_keys, bound_of(r), R),
+                                 rows_of(pos, r), R, 1.0f / std::sqrt(float(dI) * float(HI)), rows_of(sel, r));
         }
         if (branch) b.end_branch();
     }
@@ -503,34 +563,45 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, LayerState
     // The query heads (no weight), and the one K=V row per token: normed, rotated like the queries, FP8-rounded
     // in the official numerics, and written into the raw ring before attending so that a token sees itself and
     // the earlier tokens of its chunk.
-    const NormRopeTarget heads[] = {{q, Tensor{}, 0, Tensor{}},
-                                    {reshape(kv, d, 1, n), L.kv_norm, official ? d - c.n_rot : 0, S.raw}};
-    b.norm_rope(heads, c.norm_eps, rope, pos);
+    for (const SeqRun & r : runs) {
+        const NormRopeTarget heads[] = {
+            {rows_of(q, r), Tensor{}, 0, Tensor{}},
+            {reshape(rows_of(kv, r), d, 1, r.n), L.kv_norm, official ? d - c.n_rot : 0, state_of(r).raw}};
+        b.norm_rope(heads, c.norm_eps, rope, rows_of(pos, r));
+    }
 
-    if (compressed) {
-        // A compressed row is normed and rotated at its block's first position b·R, then rounded.
-        const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope,
-                                         official ? RowRounding::fp8 : RowRounding::none, d - c.n_rot};
-        b.compressor_update(ckv, cscore, L.comp_ape, S.comp_kv, S.comp_score, pos, R, csa, finish, S.comp);
-        comp.rows = visible_rows(S.comp, bound, R);
-        comp.ratio = R;
-    }
-    if (branch) b.join_branch();
-    if (m > 0) trace("compressed_kv", il, row_view(S.comp, b0, m));
-    if (csa) {
-        if (m > 0) trace("indexer_kv", il, row_view(S.idx_keys, b0, m));
-        if (c.indexer_top_k == 0) {
-            comp.rows = Tensor{};  // no compressed row is ever selected
-        } else {
-            comp.selected = sel;
-            trace("indexer_topk", il, sel);
+    // A compressed row is normed and rotated at its block's first position b·R, then rounded.
+    const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope, official ? RowRounding::fp8 : RowRounding::none,
+                                     d - c.n_rot};
+    if (compressed)
+        for (const SeqRun & r : runs) {
+            LayerState & S = state_of(r);
+            b.compressor_update(matrix_rows(ckv, r), matrix_rows(cscore, r), L.comp_ape, S.comp_kv, S.comp_score,
+                                rows_of(pos, r), R, csa, finish, S.comp);
         }
+    if (branch) b.join_branch();
+    if (compressed && runs.size() == 1) {
+        const SeqRun & r = runs.front();
+        const int64_t b0 = r.pos0 / R, m = (r.pos0 + r.n) / R - b0;  // rows completed by this chunk (traces only)
+        if (m > 0) trace("compressed_kv", il, row_view(state_of(r).comp, b0, m));
+        if (csa && m > 0) trace("indexer_kv", il, row_view(state_of(r).idx_keys, b0, m));
     }
+    if (csa && c.indexer_top_k > 0) trace("indexer_topk", il, sel);
 
     Tensor attn = first(w.attn, n);
     // Values carry the rotation of their own positions; turning the output back by the query's angle leaves
     // relative phase only.
-    b.attention(q, S.raw, pos, c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)), attn, &rope);
+    for (const SeqRun & r : runs) {
+        LayerState & S = state_of(r);
+        CompressedRows comp;
+        if (compressed && !(csa && c.indexer_top_k == 0)) {  // with top_k 0 no compressed row is ever selected
+            comp.rows = visible_rows(S.comp, bound_of(r), R);
+            comp.ratio = R;
+            if (csa) comp.selected = rows_of(sel, r);
+        }
+        b.attention(rows_of(q, r), S.raw, rows_of(pos, r), c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)),
+                    rows_of(attn, r), &rope);
+    }
     Tensor o_low = first(w.o_low, n);
     b.matmul_grouped(L.o_a, reshape(attn, c.q_dim(), n), o_low, c.o_groups);
     b.matmul(L.o_b, o_low, first(w.out, n));

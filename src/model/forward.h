@@ -93,6 +93,16 @@ class Model {
     bool eval(KvState & state, std::span<const int32_t> tokens, LogitsMode mode, float * logits,
               const std::function<bool(int64_t done)> & progress = {}, float * hidden = nullptr);
 
+    // The most sequences decode_batch() runs in one step: one workspace row each, and one row of the head's logits.
+    int64_t max_batch() const { return std::min(n_ubatch_, kHeadRows); }
+    // One decode step of several sequences at once: tokens[i] at position states[i]->n_past() of states[i], which it
+    // advances by one; each state's last_logits() then holds its row. Every per-token op (the projections, the
+    // experts, the hyper-connections, the head) runs once over all rows, so the weights are read once for the whole
+    // step; each state's own part (its compressors, indexer, raw ring and attention) runs on its rows. The result is
+    // what eval() of each token alone gives (bit for bit on the CPU backend, whose per-row arithmetic does not depend
+    // on the rows beside it). The states must be distinct, at most max_batch() of them, each with room for a token.
+    void decode_batch(std::span<KvState * const> states, std::span<const int32_t> tokens);
+
     // What a sampler draws from, instead of the row (backend logit_candidates over state.last_logits()): up to
     // kSampleCandidates ids ascending and their logits into ids and values [n_candidates()], and stats [4] = (max,
     // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host; an
@@ -117,21 +127,31 @@ class Model {
 
   private:
     struct Workspace;
+    // Consecutive workspace rows [row0, row0 + n) that are one sequence's positions [pos0, pos0 + n): a chunk of one
+    // sequence is one run; a batched decode step is one run of one row per sequence. The ops of a state's own part
+    // (compressors, indexer, raw ring, attention) run once per run; every other op once over all rows.
+    struct SeqRun {
+        KvState * state = nullptr;
+        int64_t row0 = 0, pos0 = 0, n = 0;
+    };
     // False when between_layers (given: called with the layers done) stopped the chunk; the state is then as before.
     bool eval_chunk(KvState & state, const int32_t * tokens, int64_t n, LogitsMode mode, float * logits, float * hidden,
                     const std::function<bool(int64_t layers)> & between_layers);
-    // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch) for the tokens at
-    // positions [pos0, pos0 + n) (the ops read them from the workspace's positions tensor; pos0 only names trace
-    // rows); il names the layer in traces. The main layers and the MTP block both run through here. The block's
-    // attention input (xn, post, comb) is already there: attn_pre made it, or the block before, whose `next` this
-    // block was: then the last HCPost and the next block's HCPre run as one op (Backend::hc_post_pre).
+    // The embedding and every layer of the n rows whose tokens and positions are in the workspace, into the final
+    // streams (w.streams). after_layer (may be empty) is called with the layers done after each layer but the last;
+    // returning false stops there, and trunk returns false.
+    bool trunk(std::span<const SeqRun> runs, int64_t n, const std::function<bool(int64_t layers)> & after_layer);
+    // One transformer block on `streams` (its output lands in `streams`; `streams2` is scratch) for the n rows of
+    // `runs`; il names the layer (c.n_layer: the MTP block, whose state is KvState::mtp()). The main layers and the
+    // MTP block both run through here. The block's attention input (xn, post, comb) is already there: attn_pre made
+    // it, or the block before, whose `next` this block was: then the last HCPost and the next block's HCPre run as
+    // one op (Backend::hc_post_pre).
     void attn_pre(const LayerWeights & L, const Tensor & streams, int64_t n);
-    void block(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0, int64_t n,
+    void block(const LayerWeights & L, const LayerConfig & lc, std::span<const SeqRun> runs, int64_t il, int64_t n,
                Tensor & streams, Tensor & streams2, const LayerWeights * next);
-    void attention(const LayerWeights & L, const LayerConfig & lc, LayerState & S, int64_t il, int64_t pos0,
-                   int64_t n);
+    void attention(const LayerWeights & L, const LayerConfig & lc, std::span<const SeqRun> runs, int64_t il, int64_t n);
     void ffn(const LayerWeights & L, const LayerConfig & lc, int64_t il, int64_t n);
-    void write_positions(int64_t pos0, int64_t n);
+    void write_positions(std::span<const SeqRun> runs, int64_t n);
     // A sublayer's HCPre: its mixing weights and input norm with the model's Sinkhorn settings.
     HcPre hc_pre_of(const Tensor & fn, const Tensor & scale, const Tensor & base, const Tensor & norm) const;
     // HC head, final norm and LM head of `rows` rows of streams into logits F32 [rows, V].

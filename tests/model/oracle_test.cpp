@@ -141,6 +141,91 @@ TEST_P(Oracle, ChunkStoppedBetweenLayersIsUndone) {
         << "the logits after the stopped chunk differ from the uninterrupted run's";
 }
 
+// A batched decode step gives every sequence the logits it gets decoding alone, bit for bit on the CPU: three
+// sequences of different prompts and depths (so their compressors, indexers and rings are at different points),
+// stepped together, with one leaving and rejoining the batch, in both numerics; the one that decodes the fixture's
+// own tokens then also matches the oracle.
+TEST_P(Oracle, BatchedDecodeMatchesEachSequenceAlone) {
+    const Fixture & f = fixture(GetParam());
+    const int64_t n = int64_t(f.tokens.size());
+    for (Numerics numerics : {Numerics::reference, Numerics::official}) {
+        Runner r(f, 16, numerics);
+        Model & m = *r.model;
+        const int64_t V = m.config().n_vocab;
+        // Sequence i: the fixture's tokens read from offset shift[i] (wrapping), prefilled to depth[i].
+        const int64_t shift[] = {0, 5, n / 2}, depth[] = {n / 2, 3, n / 3};
+        auto token = [&](int i, int64_t p) { return f.tokens[size_t((p + shift[i]) % n)]; };
+        std::unique_ptr<KvState> batched[3], alone[3];
+        for (int i = 0; i < 3; ++i) {
+            std::vector<int32_t> prompt;
+            for (int64_t p = 0; p < depth[i]; ++p) prompt.push_back(token(i, p));
+            batched[i] = m.new_state(n);
+            alone[i] = m.new_state(n);
+            m.eval(*batched[i], prompt, LogitsMode::none, nullptr);
+            m.eval(*alone[i], prompt, LogitsMode::none, nullptr);
+        }
+        std::vector<float> got(static_cast<size_t>(V)), want(static_cast<size_t>(V));
+        std::vector<float> oracle_rows;  // sequence 0 decodes the fixture's tokens from depth[0]
+        for (int step = 0; depth[0] + step < n; ++step) {
+            std::vector<KvState *> states;
+            std::vector<int32_t> tokens;
+            for (int i = 0; i < 3; ++i) {
+                const int64_t p = batched[i]->n_past();
+                if (p >= n || (i == 1 && step % 5 == 2)) continue;  // sequence 1 sits out every fifth step
+                states.push_back(batched[i].get());
+                tokens.push_back(token(i, p));
+                const int32_t one = token(i, p);
+                m.eval(*alone[i], {&one, 1}, LogitsMode::last, nullptr);
+            }
+            m.decode_batch(states, tokens);
+            for (KvState * s : states) {
+                const int i = int(
+                    std::find_if(std::begin(batched), std::end(batched), [&](const auto & b) { return b.get() == s; }) -
+                    std::begin(batched));
+                ASSERT_EQ(s->n_past(), alone[i]->n_past());
+                m.read_last_logits(*s, got.data());
+                m.read_last_logits(*alone[i], want.data());
+                ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+                    << GetParam() << " " << numerics_name(numerics) << ": sequence " << i << " at position "
+                    << s->n_past() - 1 << " (a batch of " << states.size() << ")";
+                if (i == 0) oracle_rows.insert(oracle_rows.end(), got.begin(), got.end());
+            }
+        }
+        if (numerics == Numerics::reference) {
+            Fixture tail = f;  // the oracle's rows from position depth[0] on
+            tail.logits.rows = n - depth[0];
+            tail.logits.data.erase(tail.logits.data.begin(), tail.logits.data.begin() + depth[0] * V);
+            std::set<int64_t> fragile;
+            for (int64_t t : f.fragile)
+                if (t >= depth[0]) fragile.insert(t - depth[0]);
+            tail.fragile = fragile;
+            expect_matches_oracle(tail, oracle_rows, GetParam() + " batched decode");
+        }
+    }
+}
+
+// A batched step refuses what it cannot run, before touching any state.
+TEST(BatchedDecode, BadBatchesAreRefused) {
+    const Fixture & f = fixture("hf-small-seed1");
+    Runner r(f, 4);
+    Model & m = *r.model;
+    auto a = m.new_state(8), b = m.new_state(2);
+    const int32_t t = f.tokens[0];
+    std::vector<int32_t> two = {t, t};
+    std::vector<KvState *> same = {a.get(), a.get()};
+    EXPECT_THROW(m.decode_batch(same, two), Error);  // one sequence twice
+    std::vector<KvState *> many(size_t(m.max_batch()) + 1, a.get());
+    std::vector<int32_t> many_tokens(many.size(), t);
+    EXPECT_THROW(m.decode_batch(many, many_tokens), Error);
+    std::vector<KvState *> ab = {a.get(), b.get()};
+    EXPECT_THROW(m.decode_batch(ab, std::vector<int32_t>{t}), Error);      // a token short
+    EXPECT_THROW(m.decode_batch(ab, std::vector<int32_t>{t, -1}), Error);  // outside the vocabulary
+    m.eval(*b, two, LogitsMode::none, nullptr);
+    EXPECT_THROW(m.decode_batch(ab, two), Error);  // b's context is full
+    EXPECT_EQ(a->n_past(), 0);
+    EXPECT_EQ(b->n_past(), 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, Oracle,
                          ::testing::Values("hf-small-seed1", "hf-edge-seed1", "lite-seed2", "wide-seed1"));
 

@@ -1,4 +1,5 @@
-// The server's life: /health while loading, a client that disconnects mid-stream (decoding stops), graceful
+// The server's life: /health while loading, a client that disconnects mid-stream (decoding stops), requests running
+// side by side up to --sessions (the next one queued), graceful
 // SIGTERM (streams end cleanly, the KV state is saved, exit 0), a restart that restores the disk KV cache (cached
 // tokens in usage), a corrupt cache file, and the production binary lacking the test hooks.
 import assert from "node:assert/strict";
@@ -98,6 +99,69 @@ describe("cancellation", () => {
         max_tokens: 2,
       });
       assert.equal(ok.usage.completion_tokens, 2);
+    } finally {
+      assert.equal((await s.stop()).code, 0);
+    }
+  });
+});
+
+describe("concurrency", () => {
+  test("requests run side by side up to --sessions; the next one waits for a session", async () => {
+    const s = await startServer(["--sessions", "2"]);
+    try {
+      // A long scripted stream; its client reads the first events, then goes on reading in the background until
+      // it aborts (readSse's early return would close the connection, which cancels the generation).
+      const stream = async (text) => {
+        const controller = new AbortController();
+        const r = await fetch(`${s.base}/v1/chat/completions`, {
+          method: "POST",
+          signal: controller.signal,
+          headers: { "content-type": "application/json", ...script(text.repeat(3000), 20).headers },
+          body: JSON.stringify({ messages: [{ role: "user", content: text }], stream: true, reasoning_effort: "none" }),
+        });
+        const reader = r.body.getReader();
+        const decoder = new TextDecoder();
+        let seen = "";
+        while (seen.split("\n\n").length <= 3) {
+          const { value, done } = await reader.read();
+          assert.ok(!done, `the stream ended early: ${seen}`);
+          seen += decoder.decode(value, { stream: true });
+        }
+        (async () => {
+          try {
+            while (!(await reader.read()).done) {}
+          } catch {}  // aborted
+        })();
+        return controller;
+      };
+      const ask = (max_tokens) =>
+        openai(s).chat.completions.create({ model: "x", messages: [{ role: "user", content: "hi" }], max_tokens });
+      const a = await stream("a ");
+      // Answered in full while the stream goes on (before, it waited for the stream's 3000 tokens: a minute).
+      const t0 = Date.now();
+      const b = await ask(4);
+      assert.equal(b.usage.completion_tokens, 4);
+      assert.ok(Date.now() - t0 < 20000, `took ${Date.now() - t0} ms`);
+      let m = await metrics(s);
+      assert.equal(m.dsv4_running, 1, "the stream still runs");
+      // Two streams hold both sessions: a third request waits in the queue until one ends.
+      const c = await stream("c ");
+      const pending = ask(2);
+      for (let i = 0; i < 40 && m.dsv4_queue_length !== 1; i++) {
+        await sleep(50);
+        m = await metrics(s);
+      }
+      assert.equal(m.dsv4_queue_length, 1, s.log());
+      assert.equal(m.dsv4_running, 2);
+      a.abort();
+      assert.equal((await pending).usage.completion_tokens, 2);
+      c.abort();
+      for (let i = 0; i < 40 && m.dsv4_running !== 0; i++) {
+        await sleep(50);
+        m = await metrics(s);
+      }
+      assert.equal(m.dsv4_running, 0);
+      assert.equal(m.dsv4_generations_cancelled_total, 2);
     } finally {
       assert.equal((await s.stop()).code, 0);
     }
