@@ -29,15 +29,6 @@ list(REMOVE_DUPLICATES DSV4_CUDA_LIB_DIRS)
 set(CMAKE_BUILD_RPATH ${DSV4_CUDA_LIB_DIRS})
 set(CMAKE_INSTALL_RPATH ${DSV4_CUDA_LIB_DIRS})
 
-if(DSV4_NCCL)
-  find_library(DSV4_NCCL_LIBRARY nccl HINTS ${DSV4_CUDA_LIB_DIRS} NO_DEFAULT_PATH)
-  find_path(DSV4_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} NO_DEFAULT_PATH)
-  if(NOT DSV4_NCCL_LIBRARY OR NOT DSV4_NCCL_INCLUDE)
-    message(STATUS "NCCL not found under ${DSV4_CUDA_ROOT}: DSV4_NCCL off")
-    set(DSV4_NCCL OFF)
-  endif()
-endif()
-
 # Adds a post-link check that `target` resolves libcudart/libcublas from the pinned toolkit.
 function(dsv4_check_cuda_runtime target)
   add_custom_command(TARGET ${target} POST_BUILD

@@ -7,6 +7,6 @@ namespace dsv4 {
 
 const char * build_version();
 const char * build_commit();
-const char * build_backends();  // e.g. "cpu, cuda (sm_90 sm_120 sm_121), nccl"
+const char * build_backends();  // e.g. "cpu, cuda (sm_90a sm_120 sm_121)"
 
 }  // namespace dsv4
