@@ -676,6 +676,7 @@ ojson HttpServer::props() const {
             {"context_length", info_.n_ctx},
             {"n_ctx_train", mi.n_ctx_train},
             {"sessions", opt_.sessions},
+            {"batched_decode", engine_->batched_decode()},
             {"max_output_tokens", info_.max_output},
             {"backend", mi.backend},
             {"numerics", mi.numerics},

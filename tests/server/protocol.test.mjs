@@ -65,6 +65,8 @@ describe("information routes", () => {
     assert.match(props.description, /random weights/);
     assert.equal(props.context_length, 4096);
     assert.match(props.backend, /cpu/);
+    assert.equal(props.sessions, 2);
+    assert.equal(props.batched_decode, true);  // the CPU steps concurrent requests as one pass
     assert.ok(props.build.version && props.build.commit);
     assert.deepEqual(props.sampling_defaults, { temperature: 1, top_p: 1, top_k: 0, min_p: 0.05 });
 
