@@ -722,6 +722,10 @@ std::string HttpServer::metrics() const {
                double(s.cached_tokens));
         metric("dsv4_prefill_tokens_total", "counter", "Prompt tokens evaluated.", double(s.prefill_tokens));
         metric("dsv4_generated_tokens_total", "counter", "Tokens generated.", double(s.generated_tokens));
+        metric("dsv4_decode_steps_total", "counter", "Decode steps (one token of every generation decoding then).",
+               double(s.decode_steps));
+        metric("dsv4_decode_step_tokens_total", "counter", "Tokens the decode steps evaluated.",
+               double(s.decode_step_tokens));
         metric("dsv4_prefill_seconds_total", "counter", "Time spent in prefill.", s.prefill_seconds);
         metric("dsv4_decode_seconds_total", "counter", "Time spent decoding.", s.decode_seconds);
         metric("dsv4_prefill_tokens_per_second", "gauge", "Prefill speed of the last generation.", s.last_prefill_tps);

@@ -700,6 +700,11 @@ void Scheduler::decode_step(std::vector<std::unique_ptr<Active>> & active) {
         for (Active * a : stepping) fail(*a, e);
         return;
     }
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++stats_.decode_steps;
+        stats_.decode_step_tokens += next.size();
+    }
     for (Active * a : stepping) {
         const Session & session = *a->slot->session;
         if (disk_ && options_.kv_cache_interval > 0 && session.n_past() % options_.kv_cache_interval == 0) {

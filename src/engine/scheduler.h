@@ -160,6 +160,8 @@ struct SchedulerStats {
     uint64_t cached_tokens = 0;
     uint64_t prefill_tokens = 0;  // actually evaluated
     uint64_t generated_tokens = 0;
+    uint64_t decode_steps = 0;        // Engine::decode_batch calls
+    uint64_t decode_step_tokens = 0;  // tokens they evaluated (÷ decode_steps: the mean batch)
     uint64_t live_hits = 0;
     uint64_t disk_hits = 0;
     double prefill_seconds = 0;

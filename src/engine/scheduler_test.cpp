@@ -278,7 +278,12 @@ TEST(Scheduler, RunsRequestsTogetherUpToTheSessions) {
     // 11 evaluated tokens (the 12th is not evaluated) take 9 steps of three when the queue filled at once.
     EXPECT_GE(std::count(engine.log.steps.begin(), engine.log.steps.end(), 3u), 5);
     EXPECT_EQ(engine.log.first_tokens, (std::vector<int32_t>{1000, 1001, 1002, 1003, 1004}));
-    EXPECT_EQ(s.stats().cancelled, 1u);
+    const SchedulerStats st = s.stats();
+    EXPECT_EQ(st.cancelled, 1u);
+    EXPECT_EQ(st.decode_steps, engine.log.steps.size());
+    size_t tokens = 0;
+    for (size_t n : engine.log.steps) tokens += n;
+    EXPECT_EQ(st.decode_step_tokens, tokens);
 }
 
 // A long prompt is prefilled one engine chunk at a time, with a decode step of the running requests between

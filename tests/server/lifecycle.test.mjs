@@ -162,6 +162,8 @@ describe("concurrency", () => {
       }
       assert.equal(m.dsv4_running, 0);
       assert.equal(m.dsv4_generations_cancelled_total, 2);
+      // The streams decoded together: more tokens than steps.
+      assert.ok(m.dsv4_decode_step_tokens_total > m.dsv4_decode_steps_total, JSON.stringify(m));
     } finally {
       assert.equal((await s.stop()).code, 0);
     }
