@@ -188,22 +188,32 @@ void KvDiskCache::evict(const std::string & keep) {
 
 std::optional<KvDiskCache::Match> KvDiskCache::find(std::string_view text) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const Entry * best = nullptr;
-    for (const Entry & e : entries_) {
-        if (e.text.size() > text.size() || text.compare(0, e.text.size(), e.text) != 0) continue;
-        if (!best || e.text.size() > best->text.size() ||
-            (e.text.size() == best->text.size() && e.last_used > best->last_used))
-            best = &e;
-    }
-    if (!best) {
-        ++stats_.misses;
-        return std::nullopt;
-    }
-    return Match{best->path, best->text.size(), best->n_tokens};
+    std::optional<Match> best;
+    int64_t best_used = 0;
+    auto consider = [&](const std::string & path, const std::string & key, int64_t n_tokens, int64_t used) {
+        if (key.size() > text.size() || text.compare(0, key.size(), key) != 0) return;
+        if (!best || key.size() > best->text_bytes || (key.size() == best->text_bytes && used > best_used)) {
+            best = Match{path, key.size(), n_tokens};
+            best_used = used;
+        }
+    };
+    // A queued snapshot replaces the file of the same key (what load() returns): the file is not a candidate then.
+    for (const Entry & e : entries_)
+        if (std::none_of(queue_.begin(), queue_.end(), [&](const Queued & q) { return q.path == e.path; }))
+            consider(e.path, e.text, e.n_tokens, e.last_used);
+    for (const Queued & q : queue_) consider(q.path, q.text, q.n_tokens, q.queued_at);
+    if (!best) ++stats_.misses;
+    return best;
 }
 
 std::optional<std::string> KvDiskCache::load(const Match & match) {
     std::lock_guard<std::mutex> lock(mutex_);
+    // A queued snapshot is newer than a file of the same key: the latest queued one, from memory.
+    for (auto q = queue_.rbegin(); q != queue_.rend(); ++q)
+        if (q->path == match.path) {
+            ++stats_.hits;
+            return q->payload;
+        }
     auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry & e) { return e.path == match.path; });
     if (it == entries_.end()) return std::nullopt;
     const size_t index = size_t(it - entries_.begin());
@@ -240,17 +250,29 @@ std::optional<std::string> KvDiskCache::load(const Match & match) {
 
 bool KvDiskCache::contains(std::string_view text) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return std::any_of(entries_.begin(), entries_.end(), [&](const Entry & e) { return e.text == text; });
+    return std::any_of(entries_.begin(), entries_.end(), [&](const Entry & e) { return e.text == text; }) ||
+           std::any_of(queue_.begin(), queue_.end(), [&](const Queued & q) { return q.text == text; });
+}
+
+std::string KvDiskCache::path_of(std::string_view text) const {
+    return fmt::format("{}/{:016x}.kv", dir_, XXH64(text.data(), text.size(), 0));
 }
 
 bool KvDiskCache::save(std::string_view text, int64_t n_tokens, std::string_view payload, KvSaveReason reason) {
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    return store(text, n_tokens, payload, reason, lock);
+}
+
+bool KvDiskCache::store(std::string_view text, int64_t n_tokens, std::string_view payload, KvSaveReason reason,
+                        std::unique_lock<std::mutex> & lock) {
     const uint64_t bytes = kHeaderBytes + text.size() + payload.size() + kTrailerBytes;
     if (bytes > budget_) {
         log_info("kv cache: a {} snapshot of {} tokens ({:.1f} MiB) exceeds --kv-disk-space-mb; not saved",
                  kv_save_reason_name(reason), n_tokens, double(bytes) / (1 << 20));
+        lock.lock();
         return false;
     }
-    const std::string path = fmt::format("{}/{:016x}.kv", dir_, XXH64(text.data(), text.size(), 0));
+    const std::string path = path_of(text);
     Header h{};
     std::memcpy(h.magic, kMagic, 8);
     h.version = kVersion;
@@ -279,9 +301,10 @@ bool KvDiskCache::save(std::string_view text, int64_t n_tokens, std::string_view
         set_mtime_ns(path, now_ns());
     } catch (const Error & e) {
         log_warn("kv cache: cannot save a snapshot: {}", e.what());
+        lock.lock();
         return false;
     }
-    std::lock_guard<std::mutex> lock(mutex_);
+    lock.lock();
     auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry & e) { return e.path == path; });
     if (it != entries_.end()) {
         stats_.bytes -= it->bytes;
@@ -297,9 +320,54 @@ bool KvDiskCache::save(std::string_view text, int64_t n_tokens, std::string_view
     return true;
 }
 
+bool KvDiskCache::save_queued(std::string text, int64_t n_tokens, std::string payload, KvSaveReason reason) {
+    const uint64_t bytes = kHeaderBytes + text.size() + payload.size() + kTrailerBytes;
+    if (bytes > budget_) return save(text, n_tokens, payload, reason);  // refused there, with the log line
+    std::unique_lock<std::mutex> lock(mutex_);
+    queue_cv_.wait(lock, [&] { return queue_.empty() || queued_bytes_ + bytes <= kMaxQueuedBytes; });
+    std::string path = path_of(text);
+    queue_.push_back({std::move(path), std::move(text), n_tokens, std::move(payload), reason, now_ns()});
+    queued_bytes_ += bytes;
+    if (!writer_.joinable()) writer_ = std::thread([this] { write_queued(); });
+    queue_cv_.notify_all();
+    return true;
+}
+
+void KvDiskCache::write_queued() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, everything written
+        const Queued & q = queue_.front();
+        lock.unlock();
+        // Failures are logged. store() takes the lock back to add the entry, and the snapshot leaves the queue under
+        // the same hold: it is never an entry and queued at once, nor neither.
+        store(q.text, q.n_tokens, q.payload, q.reason, lock);
+        queued_bytes_ -= kHeaderBytes + q.text.size() + q.payload.size() + kTrailerBytes;
+        queue_.pop_front();
+        queue_cv_.notify_all();
+    }
+}
+
+void KvDiskCache::flush() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    queue_cv_.wait(lock, [&] { return queue_.empty(); });
+}
+
+KvDiskCache::~KvDiskCache() {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (writer_.joinable()) writer_.join();
+}
+
 KvCacheStats KvDiskCache::stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return stats_;
+    KvCacheStats s = stats_;
+    s.queued = queue_.size();
+    return s;
 }
 
 }  // namespace dsv4

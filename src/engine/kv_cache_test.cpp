@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -173,8 +174,73 @@ TEST_F(KvCacheTest, EvictsLeastRecentlyUsedWithinTheBudget) {
 TEST_F(KvCacheTest, ASnapshotLargerThanTheBudgetIsNotWritten) {
     KvDiskCache cache(dir_.string(), 2000, kFp);
     EXPECT_FALSE(cache.save("huge", 9, payload(5000, 'h'), KvSaveReason::cold));
+    EXPECT_FALSE(cache.save_queued("huge", 9, payload(5000, 'h'), KvSaveReason::cold));
+    cache.flush();
     EXPECT_EQ(cache.stats().files, 0u);
     EXPECT_TRUE(files().empty());
+}
+
+// Queued snapshots: found and loaded at once (the newest of a key wins, queued or written), written by the writer
+// thread, and written before the cache is destroyed.
+TEST_F(KvCacheTest, QueuedSnapshotsAreServedAtOnceAndWritten) {
+    {
+        KvDiskCache cache(dir_.string(), kBig, kFp);
+        ASSERT_TRUE(cache.save_queued("prefix", 4, payload(64, 'x'), KvSaveReason::interval));
+        ASSERT_TRUE(cache.save_queued("prefix", 5, payload(80, 'y'), KvSaveReason::interval));
+        ASSERT_TRUE(cache.save_queued("other", 2, payload(16, 'o'), KvSaveReason::evict));
+        for (int i = 0; i < 3; ++i) {  // before, during and after the writes
+            EXPECT_TRUE(cache.contains("prefix"));
+            auto m = cache.find("prefix and more");
+            ASSERT_TRUE(m);
+            EXPECT_EQ(m->n_tokens, 5);
+            EXPECT_EQ(cache.load(*m), payload(80, 'y'));
+            if (i == 1) cache.flush();
+        }
+        const KvCacheStats s = cache.stats();
+        EXPECT_EQ(s.queued, 0u);
+        EXPECT_EQ(s.writes, 3u);
+        EXPECT_EQ(s.files, 2u);
+        ASSERT_TRUE(cache.save_queued("last", 1, payload(8, 'l'), KvSaveReason::shutdown));
+    }  // destroyed with "last" perhaps still queued
+    KvDiskCache again(dir_.string(), kBig, kFp);
+    EXPECT_EQ(again.stats().files, 3u);
+    auto m = again.find("prefix");
+    ASSERT_TRUE(m);
+    EXPECT_EQ(again.load(*m), payload(80, 'y'));
+    m = again.find("last");
+    ASSERT_TRUE(m);
+    EXPECT_EQ(again.load(*m), payload(8, 'l'));
+}
+
+// Lookups while the writer works: every load returns the payload of the key it found, whether the snapshot is still
+// queued, being written or written.
+TEST_F(KvCacheTest, LookupsDuringWritesSeeWholeSnapshots) {
+    KvDiskCache cache(dir_.string(), kBig, kFp);
+    constexpr int kKeys = 40;
+    auto key = [](int i) { return "key " + std::to_string(i) + ";"; };
+    std::atomic<bool> produced{false};
+    std::thread producer([&] {
+        for (int i = 0; i < kKeys; ++i)
+            cache.save_queued(key(i), i + 1, payload(size_t(4096 + i), char('a' + i % 26)), KvSaveReason::interval);
+        produced = true;
+    });
+    int checked = 0;
+    for (bool last = false; !last;) {
+        last = produced.load();  // one more round after the last snapshot was queued
+        for (int i = 0; i < kKeys; ++i)
+            if (auto m = cache.find(key(i) + " more")) {
+                ASSERT_EQ(m->n_tokens, i + 1);
+                const std::optional<std::string> bytes = cache.load(*m);
+                ASSERT_TRUE(bytes);
+                ASSERT_EQ(*bytes, payload(size_t(4096 + i), char('a' + i % 26))) << key(i);
+                ++checked;
+            }
+    }
+    producer.join();
+    cache.flush();
+    EXPECT_GT(checked, 0);
+    EXPECT_EQ(cache.stats().files, uint64_t(kKeys));
+    EXPECT_EQ(files().size(), size_t(kKeys));
 }
 
 }  // namespace

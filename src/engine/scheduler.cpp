@@ -248,6 +248,7 @@ void Scheduler::shutdown(double grace_seconds) {
         if (stats_.running > 0) abort_running_.store(true);
     }
     thread_.join();
+    if (disk_) disk_->flush();  // the snapshots saved on the way out are on disk before shutdown returns
     joined_ = true;
 }
 
@@ -286,7 +287,8 @@ void Scheduler::save_state(Slot & slot, KvSaveReason reason) {
         slot.saved_tokens = std::max(slot.saved_tokens, n);
         return;
     }
-    if (disk_->save(key, n, slot.session->snapshot(), reason)) slot.saved_tokens = n;
+    // Only the copy of the state waits here; the writer thread writes the file while generation goes on.
+    if (disk_->save_queued(key, n, slot.session->snapshot(), reason)) slot.saved_tokens = n;
 }
 
 void Scheduler::save_slot(Slot & slot, KvSaveReason reason) {
