@@ -1,7 +1,8 @@
 // libFuzzer entry point for loading a model whose metadata lies: the input is a list of edits to a small valid
 // model (tests/data/gguf/tiny-deepseek4.gguf, llama.cpp's deepseek4 layout: 3 layers, sliding + CSA + HCA, hash
 // routing), which is written out, opened, loaded on the CPU backend and run for a prompt of 12 tokens and two decode
-// steps. Each edit is 8 bytes:
+// steps, then one batched decode step of that sequence and a second one, whose logits must equal, bit for bit, the
+// second sequence's single step (Model::decode_batch's promise on the CPU). Each edit is 8 bytes:
 //
 //   byte 0   what: 0 set a key, 1 drop a key, 2 set an array element or the array's length, 3 change a tensor
 //   byte 1   which key (of the base file's, in order) or tensor
@@ -16,6 +17,7 @@
 // plan would refuse it. When the input ends in a partial edit, its last byte's bit 0 selects the official numerics.
 #include "backend/backend.h"
 #include "format/gguf.h"
+#include "fuzz/fuzz_check.h"
 #include "model/forward.h"
 #include "model/kv_state.h"
 #include "util/error.h"
@@ -249,6 +251,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * input, size_t size) {
             const int32_t next = int32_t((step * 5 + 1) % n_vocab);
             m.eval(*state, std::span<const int32_t>(&next, 1), LogitsMode::last, logits.data());
         }
+        auto second = m.new_state(kCtx), alone = m.new_state(kCtx);
+        const std::span<const int32_t> head = std::span<const int32_t>(prompt).first(5);
+        m.eval(*second, head, LogitsMode::none, nullptr);
+        m.eval(*alone, head, LogitsMode::none, nullptr);
+        KvState * const batch[] = {state.get(), second.get()};
+        const int32_t tokens[] = {int32_t(2 % n_vocab), int32_t(9 % n_vocab)};
+        m.decode_batch(batch, tokens);
+        m.eval(*alone, std::span<const int32_t>(&tokens[1], 1), LogitsMode::last, logits.data());
+        std::vector<float> batched(logits.size());
+        m.read_last_logits(*second, batched.data());
+        FUZZ_CHECK(std::memcmp(batched.data(), logits.data(), logits.size() * sizeof(float)) == 0);
         if (kVerbose) std::fprintf(stderr, "loaded and ran\n");
     } catch (const Error & e) {
         std::remove(path.c_str());  // when the file did not open
