@@ -145,12 +145,13 @@ class Engine {
     // Bytes one session of n_ctx tokens allocates (its KV state), for planning memory before creating it.
     virtual uint64_t session_bytes(int64_t n_ctx) const = 0;
     // One decode step of several sessions of this engine at once: tokens[i] is evaluated after sessions[i]'s tokens
-    // with the logits sessions[i]->eval() of it alone would give, and each session then samples as usual. With
-    // batched_decode(), the step runs as one pass that reads the weights once for all of them (a decode step is
-    // bound by reading the weights, so B sessions take little more than one's time); otherwise the sessions are
-    // evaluated one after another. Throws dsv4::Error, with no session changed, when a session appears twice,
-    // belongs to another engine or has no room left, or a token is outside the vocabulary.
+    // with the logits sessions[i]->eval() of it alone would give, and each session then samples as usual. Throws
+    // dsv4::Error, with no session changed, when a session appears twice, belongs to another engine or has no room
+    // left, or a token is outside the vocabulary.
     virtual void decode_batch(std::span<Session * const> sessions, std::span<const int32_t> tokens) = 0;
+    // Whether decode_batch() runs as one pass that reads the weights once for all the sessions (where reading the
+    // weights bounds a decode step, as on a GPU, B sessions then take little more than one's time; a CPU bound by
+    // its arithmetic gains nothing), or evaluates them one after another.
     virtual bool batched_decode() const = 0;
     // The most GPU memory the engine has held at once (weights, KV states, workspace, scratch); 0 on the CPU.
     virtual uint64_t peak_device_bytes() const = 0;
