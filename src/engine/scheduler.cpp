@@ -306,6 +306,8 @@ Scheduler::Slot & Scheduler::victim() {
             (empty == best->session->tokens().empty() && s->last_used < best->last_used))
             best = s.get();
     }
+    // Admission takes no more requests than there are free sessions, so one is always left here.
+    DSV4_CHECK(best, "scheduler: no free session for a request");
     return *best;
 }
 
