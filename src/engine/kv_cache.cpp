@@ -341,7 +341,7 @@ void KvDiskCache::write_queued() {
         const Queued & q = queue_.front();
         lock.unlock();
         // Failures are logged. store() takes the lock back to add the entry, and the snapshot leaves the queue under
-        // the same hold: it is never an entry and queued at once, nor neither.
+        // the same hold: a lookup finds it queued until it is an entry (or gone, when the write failed).
         store(q.text, q.n_tokens, q.payload, q.reason, lock);
         queued_bytes_ -= kHeaderBytes + q.text.size() + q.payload.size() + kTrailerBytes;
         queue_.pop_front();
