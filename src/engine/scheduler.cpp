@@ -435,14 +435,12 @@ struct Scheduler::Active {
     std::shared_ptr<GenerationJob> job;
     Slot * slot = nullptr;
     std::vector<int32_t> tokens;  // the prompt as the slot's session will hold it
-    int64_t n_prompt = 0;
     std::vector<int64_t> cuts;  // prefill ends a piece at each (disk snapshots), the last is n_prompt
     int64_t prefill_first = 0;  // the session's tokens when the prefill began
     int64_t pieces = 0;         // prefill pieces evaluated
     Timer prefill_timer;
     GenerationUsage usage;
-    // Decoding (after the prefill):
-    bool decoding = false;
+    // Decoding (after the prefill; begin_decode sets these up):
     std::optional<Sampler> sampler;
     std::optional<Utf8StreamDecoder> utf8;
     std::optional<StopMatcher> stops;
@@ -452,6 +450,8 @@ struct Scheduler::Active {
     size_t script_pos = 0;
     bool finished = false;
 
+    int64_t n_prompt() const { return int64_t(tokens.size()); }
+    bool decoding() const { return sampler.has_value(); }
     bool stopped(const std::atomic<bool> & abort) const { return job->cancelled() || abort.load(); }
 };
 
@@ -472,20 +472,6 @@ void Scheduler::run() {
             stats_.running += int64_t(admitted.size());  // each leaves the count as it is finished
         }
         for (auto & job : admitted) {
-            if (job->cancelled()) {
-                {
-                    std::lock_guard<std::mutex> lock(mutex_);
-                    ++stats_.requests;
-                    ++stats_.cancelled;
-                    --stats_.running;
-                }
-                cv_.notify_all();
-                job->publish([](GenerationUpdate & u) {
-                    u.finished = true;
-                    u.finish = FinishReason::cancelled;
-                });
-                continue;
-            }
             auto a = std::make_unique<Active>();
             a->job = job;
             start(*a);
@@ -496,7 +482,7 @@ void Scheduler::run() {
         // pieces, the oldest of those), so a short prompt that arrives during a long one is not queued behind it.
         Active * next = nullptr;
         for (auto & a : active)
-            if (!a->decoding && (!next || a->pieces < next->pieces)) next = a.get();
+            if (!a->decoding() && (!next || a->pieces < next->pieces)) next = a.get();
         if (next) prefill_piece(*next);
         decode_step(active);
         std::erase_if(active, [](const std::unique_ptr<Active> & a) { return a->finished; });
@@ -547,6 +533,10 @@ void Scheduler::interrupt(Active & a) {
 
 void Scheduler::start(Active & a) {
     const GenerationRequest & req = a.job->request_;
+    if (a.job->cancelled()) {  // while queued: it never takes a session
+        finish(a, FinishReason::cancelled, {}, {}, {});
+        return;
+    }
     a.usage.queue_seconds = now_seconds() - a.job->submitted_;
     try {
         Plan p = plan(req);
@@ -554,39 +544,39 @@ void Scheduler::start(Active & a) {
         a.slot->busy = true;
         a.slot->last_used = ++tick_;
         a.tokens = std::move(p.tokens);
-        a.n_prompt = int64_t(a.tokens.size());
-        a.usage.prompt_tokens = a.n_prompt;
+        a.usage.prompt_tokens = a.n_prompt();
         a.usage.cached_tokens = p.reused;
         a.usage.cache_source = p.source;
         if (p.reused > 0 && p.source != "disk") {
             std::lock_guard<std::mutex> lock(mutex_);
             ++stats_.live_hits;
         }
-        if (a.n_prompt >= options_.n_ctx) {
+        if (a.n_prompt() >= options_.n_ctx) {
             finish(a, FinishReason::error,
-                   fmt::format("the prompt has {} tokens; the context holds {}", a.n_prompt, options_.n_ctx), {}, {});
+                   fmt::format("the prompt has {} tokens; the context holds {}", a.n_prompt(), options_.n_ctx), {}, {});
             return;
         }
         a.job->publish([&](GenerationUpdate & u) {
             u.started = true;
             u.prefill_done = p.reused;
-            u.prefill_total = a.n_prompt;
+            u.prefill_total = a.n_prompt();
             u.usage = a.usage;
         });
         // The prefill's pieces end where a disk snapshot is due.
         if (disk_) {
-            if (req.cache_cut > p.reused && req.cache_cut < a.n_prompt && req.cache_cut >= options_.kv_cache_min_tokens)
+            if (req.cache_cut > p.reused && req.cache_cut < a.n_prompt() &&
+                req.cache_cut >= options_.kv_cache_min_tokens)
                 a.cuts.push_back(req.cache_cut);
             if (options_.kv_cache_interval > 0)
                 for (int64_t c = (p.reused / options_.kv_cache_interval + 1) * options_.kv_cache_interval;
-                     c < a.n_prompt; c += options_.kv_cache_interval)
+                     c < a.n_prompt(); c += options_.kv_cache_interval)
                     a.cuts.push_back(c);
             std::sort(a.cuts.begin(), a.cuts.end());
         }
-        a.cuts.push_back(a.n_prompt);
+        a.cuts.push_back(a.n_prompt());
         a.prefill_first = int64_t(a.slot->session->tokens().size());
         a.prefill_timer = Timer();
-        if (a.prefill_first == a.n_prompt) begin_decode(a);  // the whole prompt was cached
+        if (a.prefill_first == a.n_prompt()) begin_decode(a);  // the whole prompt was cached
     } catch (const std::exception & e) {
         fail(a, e);
     }
@@ -608,7 +598,7 @@ void Scheduler::prefill_piece(Active & a) {
                                            a.job->publish([&](GenerationUpdate & u) { u.prefill_done = at + d; });
                                            return !a.stopped(abort_running_);
                                        });
-        const bool complete = done && end == a.n_prompt && !a.stopped(abort_running_);
+        const bool complete = done && end == a.n_prompt() && !a.stopped(abort_running_);
         if (!done || a.stopped(abort_running_) || complete) {
             a.usage.prefill_seconds = a.prefill_timer.seconds();
             std::lock_guard<std::mutex> lock(mutex_);
@@ -622,7 +612,7 @@ void Scheduler::prefill_piece(Active & a) {
             interrupt(a);
             return;
         }
-        if (end == cut && cut < a.n_prompt)
+        if (end == cut && cut < a.n_prompt())
             save_state(*a.slot, cut == req.cache_cut ? KvSaveReason::cold : KvSaveReason::interval);
         if (complete) begin_decode(a);
     } catch (const std::exception & e) {
@@ -632,18 +622,17 @@ void Scheduler::prefill_piece(Active & a) {
 
 void Scheduler::begin_decode(Active & a) {
     const GenerationRequest & req = a.job->request_;
-    a.decoding = true;
     a.sampler.emplace(req.sampling);
     a.utf8.emplace(tokenizer_);
     a.stops.emplace(req.stop);
-    a.limit = std::min<int64_t>(std::max<int64_t>(req.max_tokens, 1), options_.n_ctx - a.n_prompt);
+    a.limit = std::min<int64_t>(std::max<int64_t>(req.max_tokens, 1), options_.n_ctx - a.n_prompt());
     a.decode_timer = Timer();
 }
 
 void Scheduler::decode_step(std::vector<std::unique_ptr<Active>> & active) {
     std::vector<Active *> decoding;
     for (auto & a : active)
-        if (a->decoding && !a->finished) decoding.push_back(a.get());
+        if (a->decoding() && !a->finished) decoding.push_back(a.get());
     if (decoding.empty()) return;
 #ifdef DSV4_TEST_HOOKS
     int delay_ms = 0;

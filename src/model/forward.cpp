@@ -124,12 +124,16 @@ struct Model::Workspace {
 
 namespace {
 
-// The first n tokens of a scratch tensor sized for n_ubatch tokens.
-Tensor first(const Tensor & t, int64_t n) {
+// Tokens [t0, t0 + n) of a workspace tensor, whose token axis is the outermost (ne[3]).
+Tensor token_rows(const Tensor & t, int64_t t0, int64_t n) {
     Tensor v = t;
+    v.data = static_cast<char *>(t.data) + size_t(t0) * (t.n_bytes() / size_t(t.ne[3]));
     v.ne[3] = n;
     return v;
 }
+
+// The first n tokens of a scratch tensor sized for n_ubatch tokens.
+Tensor first(const Tensor & t, int64_t n) { return token_rows(t, 0, n); }
 
 // The context a chunk that ends before token `end` attends over, rounded up to a power of two (at least 4096
 // tokens). Attention and the indexer get a state's compressed rows and indexer keys up to this bound, not up to
@@ -498,14 +502,8 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<
     auto state_of = [&](const SeqRun & r) -> LayerState & {
         return il < c.n_layer ? r.state->layer(il) : r.state->mtp();
     };
-    // A run's rows of an activation whose token axis is the outermost (first()), and of a [n, width] matrix.
-    auto rows_of = [](const Tensor & t, const SeqRun & r) {
-        Tensor v = t;
-        v.data = static_cast<char *>(t.data) + size_t(r.row0) * (t.n_bytes() / size_t(t.ne[3]));
-        v.ne[3] = r.n;
-        return v;
-    };
-    auto matrix_rows = [](const Tensor & t, const SeqRun & r) { return row_view(t, r.row0, r.n); };
+    // A run's rows of a workspace activation (token axis ne[3]).
+    auto rows_of = [](const Tensor & t, const SeqRun & r) { return token_rows(t, r.row0, r.n); };
 
     // Every projection of the normed input at once: the low-rank query, the K=V row, the compressor's values and
     // gate scores and, on CSA layers, the indexer compressor's and the indexer head weights.
@@ -576,8 +574,8 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<
     if (compressed)
         for (const SeqRun & r : runs) {
             LayerState & S = state_of(r);
-            b.compressor_update(matrix_rows(ckv, r), matrix_rows(cscore, r), L.comp_ape, S.comp_kv, S.comp_score,
-                                rows_of(pos, r), R, csa, finish, S.comp);
+            b.compressor_update(row_view(ckv, r.row0, r.n), row_view(cscore, r.row0, r.n), L.comp_ape, S.comp_kv,
+                                S.comp_score, rows_of(pos, r), R, csa, finish, S.comp);
         }
     if (branch) b.join_branch();
     if (compressed && runs.size() == 1) {
