@@ -22,7 +22,7 @@ int main(int argc, char ** argv) {
     app.add_option("--host", o.host, "address to listen on (default 127.0.0.1: this machine only)");
     app.add_option("--port", o.port, "port (default 8000)")->check(CLI::Range(0, 65535));
     app.add_option("-c,--ctx", ctx, "context length per session, or 'auto' (the memory plan); default 32768");
-    app.add_option("--sessions", o.sessions, "live KV sessions kept for prefix reuse (default 2)")
+    app.add_option("--sessions", o.sessions, "requests that run at once, each with its live KV session (default 2)")
         ->check(CLI::Range(1, 64));
     app.add_option("-t,--threads", o.engine.n_threads, "CPU threads (default: all)");
     app.add_option("--ubatch", o.engine.n_ubatch,
@@ -44,6 +44,10 @@ int main(int argc, char ** argv) {
     app.add_option("--kv-cache-min-tokens", o.kv_cache_min_tokens, "smallest state worth a snapshot (default 512)");
     app.add_option("--kv-cache-interval", o.kv_cache_interval,
                    "snapshot every N tokens of a long prefill or generation (default 10240, 0: never)");
+    app.add_option("--prefill-slice-ms", o.prefill_slice_ms,
+                   "while other requests decode, prefill a prompt in slices of about this long (default 500, 0: "
+                   "whole --ubatch chunks)")
+        ->check(CLI::Range(0, 3600000));
     app.add_option("--http-threads", o.http_threads, "HTTP worker threads = open connections served (default 64)")
         ->check(CLI::Range(4, 4096));
     app.add_option("--max-body-mb", o.max_body_mb, "largest request body (default 64)")->check(CLI::Range(1, 4096));

@@ -293,6 +293,7 @@ void HttpServer::load() {
         so.kv_disk_budget = uint64_t(std::max<int64_t>(opt_.kv_disk_space_mb, 0)) << 20;
         so.kv_cache_min_tokens = opt_.kv_cache_min_tokens;
         so.kv_cache_interval = opt_.kv_cache_interval;
+        so.prefill_slice_seconds = opt_.prefill_slice_ms / 1000.0;
         scheduler_ = std::make_unique<Scheduler>(*engine_, so);
         if (!opt_.kv_disk_dir.empty()) tools_.load(opt_.kv_disk_dir + "/tool-calls.json");
 
@@ -676,6 +677,7 @@ ojson HttpServer::props() const {
             {"context_length", info_.n_ctx},
             {"n_ctx_train", mi.n_ctx_train},
             {"sessions", opt_.sessions},
+            {"prefill_slice_ms", opt_.prefill_slice_ms},
             {"batched_decode", engine_->batched_decode()},
             {"max_output_tokens", info_.max_output},
             {"backend", mi.backend},

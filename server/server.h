@@ -29,6 +29,7 @@ struct ServerOptions {
     int64_t kv_disk_space_mb = 4096;
     int64_t kv_cache_min_tokens = 512;
     int64_t kv_cache_interval = 10240;
+    int prefill_slice_ms = 500;  // SchedulerOptions::prefill_slice_seconds
     int http_threads = 64;
     int64_t max_body_mb = 64;
     double sse_keepalive_s = 5;  // comment lines while a stream has nothing to say (long prefills)

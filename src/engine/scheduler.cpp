@@ -478,12 +478,16 @@ void Scheduler::run() {
             if (!a->finished) active.push_back(std::move(a));
         }
         // One piece of a prefill, then one step of every decoding request: a long prompt delays the others' next
-        // tokens by one piece at a time, not by its whole prefill. Prompts take turns (the one with the fewest
-        // pieces, the oldest of those), so a short prompt that arrives during a long one is not queued behind it.
+        // tokens by one piece at a time (a slice while they decode), not by its whole prefill. Prompts take turns
+        // (the one with the fewest pieces, the oldest of those), so a short prompt that arrives during a long one is
+        // not queued behind it.
         Active * next = nullptr;
-        for (auto & a : active)
+        bool others_decoding = false;
+        for (auto & a : active) {
             if (!a->decoding() && (!next || a->pieces < next->pieces)) next = a.get();
-        if (next) prefill_piece(*next);
+            others_decoding = others_decoding || a->decoding();
+        }
+        if (next) prefill_piece(*next, others_decoding);
         decode_step(active);
         std::erase_if(active, [](const std::unique_ptr<Active> & a) { return a->finished; });
     }
@@ -582,22 +586,34 @@ void Scheduler::start(Active & a) {
     }
 }
 
-void Scheduler::prefill_piece(Active & a) {
+int64_t Scheduler::slice_tokens(int64_t chunk) const {
+    // Below a few hundred tokens a GPU's prefill products lose most of their speed; the first slice, before any
+    // speed is known, is that smallest one.
+    const int64_t smallest = std::min<int64_t>(chunk, 256);
+    return std::clamp(int64_t(prefill_rate_ * options_.prefill_slice_seconds), smallest, chunk);
+}
+
+void Scheduler::prefill_piece(Active & a, bool sliced) {
     const GenerationRequest & req = a.job->request_;
     Session & session = *a.slot->session;
     ++a.pieces;
     try {
         const int64_t at = int64_t(session.tokens().size());
         const int64_t cut = *std::upper_bound(a.cuts.begin(), a.cuts.end(), at);
-        // A piece is one of the engine's chunks (Session::eval splits longer calls into chunks of this size from
-        // their start, so the pieces chunk the prompt as one call would).
-        const int64_t chunk = engine_.info().n_ubatch;
-        const int64_t end = chunk > 0 ? std::min(cut, at + chunk) : cut;
+        // A piece is one of the engine's chunks, or a slice of one while others decode.
+        int64_t piece = engine_.info().n_ubatch > 0 ? engine_.info().n_ubatch : cut - at;
+        if (sliced && options_.prefill_slice_seconds > 0) piece = slice_tokens(piece);
+        const int64_t end = std::min(cut, at + piece);
+        const Timer timer;
         const bool done = session.eval(std::span<const int32_t>(a.tokens).subspan(size_t(at), size_t(end - at)), false,
                                        [&](int64_t d, int64_t) {
                                            a.job->publish([&](GenerationUpdate & u) { u.prefill_done = at + d; });
                                            return !a.stopped(abort_running_);
                                        });
+        if (done && timer.seconds() > 0) {
+            const double rate = double(end - at) / timer.seconds();
+            prefill_rate_ = prefill_rate_ > 0 ? (prefill_rate_ + rate) / 2 : rate;
+        }
         const bool complete = done && end == a.n_prompt() && !a.stopped(abort_running_);
         if (!done || a.stopped(abort_running_) || complete) {
             a.usage.prefill_seconds = a.prefill_timer.seconds();

@@ -53,6 +53,11 @@ struct SchedulerOptions {
     uint64_t kv_disk_budget = uint64_t(4096) << 20;
     int64_t kv_cache_min_tokens = 512;  // states shorter than this are not worth a file
     int64_t kv_cache_interval = 10240;  // snapshot every this many tokens of a long prefill/generation (0: never)
+    // While other requests decode, a prompt is evaluated in slices of about this long (sized from the prefill speed
+    // measured on the pieces before), so their tokens keep coming every slice rather than every engine chunk: a
+    // chunk of 16384 tokens is ~2 s of the real model on an H200 and much longer on a GB10. Smaller slices prefill
+    // more slowly. 0: whole chunks always.
+    double prefill_slice_seconds = 0.5;
 };
 
 struct GenerationRequest {
@@ -200,7 +205,9 @@ class Scheduler {
     // A running request's stages, each on the inference thread: take a slot and plan the prefill; evaluate one
     // piece of the prompt; set up sampling; one token of every decoding request (one batched engine step); end.
     void start(Active & a);
-    void prefill_piece(Active & a);
+    // sliced: other requests are decoding, so the piece is one slice (SchedulerOptions::prefill_slice_seconds).
+    void prefill_piece(Active & a, bool sliced);
+    int64_t slice_tokens(int64_t chunk) const;
     void begin_decode(Active & a);
     void decode_step(std::vector<std::unique_ptr<Active>> & active);
     void end_decode(Active & a, std::optional<FinishReason> how);  // nullopt: cancelled or shut down
@@ -219,6 +226,7 @@ class Scheduler {
     std::vector<std::unique_ptr<Slot>> slots_;
     std::unique_ptr<KvDiskCache> disk_;
     uint64_t tick_ = 0;
+    double prefill_rate_ = 0;  // tokens/s of the last prefill pieces (a running mean); 0: none measured yet
 
     mutable std::mutex mutex_;
     std::condition_variable cv_;

@@ -34,6 +34,7 @@ struct FakeLog {
     int64_t chunks = 0;
     std::vector<size_t> steps;  // sessions of every decode_batch call
     std::string events;         // P: a prefill call's chunk (more than one token), D: a decode_batch call
+    std::vector<size_t> prefills;  // tokens of every eval call of more than one token
 };
 
 class FakeSession final : public Session {
@@ -54,9 +55,10 @@ class FakeSession final : public Session {
 
     bool eval(std::span<const int32_t> t, bool, const ProgressFn & progress) override {
         DSV4_CHECK(int64_t(tokens_.size() + t.size()) <= n_ctx_, "fake: context full");
-        if (tokens_.empty() && !t.empty()) {
+        {
             std::lock_guard<std::mutex> lock(log_.mutex);
-            log_.first_tokens.push_back(t[0]);
+            if (tokens_.empty() && !t.empty()) log_.first_tokens.push_back(t[0]);
+            if (t.size() > 1) log_.prefills.push_back(t.size());
         }
         for (size_t i = 0; i < t.size(); i += size_t(chunk_)) {
             const size_t n = std::min(t.size() - i, size_t(chunk_));
@@ -313,6 +315,43 @@ TEST(Scheduler, DecodingGoesOnBetweenThePiecesOfALongPrefill) {
     ASSERT_EQ(std::count(e.begin(), e.end(), 'P'), 10) << e;
     const std::string prefill = e.substr(e.find('P'), e.rfind('P') - e.find('P') + 1);
     EXPECT_EQ(std::count(prefill.begin(), prefill.end(), 'D'), 9) << e;  // one step between every two pieces
+}
+
+// While another request decodes, a long prompt is evaluated in slices sized to prefill_slice_seconds from the speed
+// of the pieces before; alone, it takes whole engine chunks.
+TEST(Scheduler, APromptIsSlicedWhileOthersDecode) {
+    // 64 tokens take 5 ms: at most 12800 tokens/s, so a slice of 20 ms is the smallest, 256 tokens.
+    FakeEngine engine([](const std::vector<int32_t> &) { return vocab().token_id("x"); }, 64, 5);
+    engine.set_ubatch(1024);
+    SchedulerOptions o;
+    o.n_sessions = 2;
+    o.kv_cache_interval = 0;
+    o.prefill_slice_seconds = 0.02;
+    Scheduler s(engine, o);
+    auto prefills_of = [&](const std::vector<int32_t> & prompt) {
+        size_t mark = 0, events = 0;
+        {
+            std::lock_guard<std::mutex> lock(engine.log.mutex);
+            mark = engine.log.prefills.size();
+            events = engine.log.events.size();
+        }
+        drain(*s.submit(greedy(prompt, 1)));
+        std::lock_guard<std::mutex> lock(engine.log.mutex);
+        return std::make_pair(
+            std::vector<size_t>(engine.log.prefills.begin() + std::ptrdiff_t(mark), engine.log.prefills.end()),
+            engine.log.events.substr(events));
+    };
+    EXPECT_EQ(prefills_of(std::vector<int32_t>(2048, 9)).first, std::vector<size_t>(2, 1024));
+    GenerationRequest talker = greedy({1, 2}, 100000);
+    talker.test_step_delay_ms = 1;
+    auto a = s.submit(talker);
+    while (a->wait(0.1).tokens.empty()) {
+    }
+    const auto [sliced, events] = prefills_of(std::vector<int32_t>(2048, 8));
+    EXPECT_EQ(sliced, std::vector<size_t>(8, 256));
+    EXPECT_EQ(events.substr(events.find('P'), 8 * 5 - 1), "PPPPDPPPPDPPPPDPPPPDPPPPDPPPPDPPPPDPPPP");
+    a->cancel();
+    drain(*a);
 }
 
 // Prompts being prefilled take turns: a short one submitted during a long prefill is answered before that prefill ends.

@@ -67,6 +67,7 @@ describe("information routes", () => {
     assert.match(props.backend, /cpu/);
     assert.equal(props.sessions, 2);
     assert.equal(props.batched_decode, true);  // the CPU steps concurrent requests as one pass
+    assert.equal(props.prefill_slice_ms, 500);
     assert.ok(props.build.version && props.build.commit);
     assert.deepEqual(props.sampling_defaults, { temperature: 1, top_p: 1, top_k: 0, min_p: 0.05 });
 
