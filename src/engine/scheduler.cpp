@@ -589,7 +589,7 @@ void Scheduler::start(Active & a) {
 int64_t Scheduler::slice_tokens(int64_t chunk) const {
     // Below a few hundred tokens a GPU's prefill products lose most of their speed; the first slice, before any
     // speed is known, is that smallest one.
-    const int64_t smallest = std::min<int64_t>(chunk, 256);
+    const int64_t smallest = std::min<int64_t>(chunk, kSmallestSlice);
     return std::clamp(int64_t(prefill_rate_ * options_.prefill_slice_seconds), smallest, chunk);
 }
 
@@ -610,7 +610,8 @@ void Scheduler::prefill_piece(Active & a, bool sliced) {
                                            a.job->publish([&](GenerationUpdate & u) { u.prefill_done = at + d; });
                                            return !a.stopped(abort_running_);
                                        });
-        if (done && timer.seconds() > 0) {
+        // A short piece (a prompt's last few tokens) measures its fixed costs more than the prefill's speed.
+        if (done && end - at >= std::min(engine_.info().n_ubatch, kSmallestSlice) && timer.seconds() > 0) {
             const double rate = double(end - at) / timer.seconds();
             prefill_rate_ = prefill_rate_ > 0 ? (prefill_rate_ + rate) / 2 : rate;
         }

@@ -208,6 +208,7 @@ class Scheduler {
     // sliced: other requests are decoding, so the piece is one slice (SchedulerOptions::prefill_slice_seconds).
     void prefill_piece(Active & a, bool sliced);
     int64_t slice_tokens(int64_t chunk) const;
+    static constexpr int64_t kSmallestSlice = 256;
     void begin_decode(Active & a);
     void decode_step(std::vector<std::unique_ptr<Active>> & active);
     void end_decode(Active & a, std::optional<FinishReason> how);  // nullopt: cancelled or shut down
