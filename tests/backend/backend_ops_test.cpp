@@ -1095,21 +1095,36 @@ TEST(Ops, Attention) {
 // Mixture of experts
 // ---------------------------------------------------------------------------------------------------------------------
 TEST(Ops, Router) {
-    Store s;
-    const int64_t n = 9, E = 256, k = 6, V = 1000;
-    const Both logits = s.values(randn(size_t(n * E), 2.0f), E, n);
-    const Both bias = s.values(randn(size_t(E), 0.1f), E);
-    std::vector<int32_t> table(size_t(k * V)), tokens(static_cast<size_t>(n));
-    for (auto & v : table) v = int32_t(rng()() % uint64_t(E));
-    for (auto & v : tokens) v = int32_t(rng()() % uint64_t(V));
-    const Both tid2eid = s.ids(table, k, V), tok = s.ids(tokens, n);
-    for (bool hash : {false, true}) {
-        const Both ex = s.out(GgmlType::I32, k, n), w = s.out(GgmlType::F32, k, n);
-        gpu().router(logits.g, hash ? Tensor{} : bias.g, hash ? tid2eid.g : Tensor{}, tok.g, 1.5f, ex.g, w.g);
-        cpu().router(logits.c, hash ? Tensor{} : bias.c, hash ? tid2eid.c : Tensor{}, tok.c, 1.5f, ex.c, w.c);
-        const std::vector<int32_t> ge = read_gpu_ids(ex.g);
-        for (size_t i = 0; i < ge.size(); ++i) ASSERT_EQ(ge[i], ex.c.i32()[i]) << (hash ? "hash " : "top-k ") << i;
-        compare(std::string("router weights ") + (hash ? "hash" : "top-6 of 256"), w, 1e-6);
+    // V4's 256 experts and top-6, a tiny model's 16, and widths that take the kernel's wider lanes (300, 1024); tied
+    // scores (logits of a few values, no bias) check that ties go to the lower expert as on the CPU.
+    struct Case {
+        int64_t E, k;
+        bool ties;
+    };
+    for (const Case c : {Case{256, 6, false}, Case{256, 6, true}, Case{16, 4, false}, Case{300, 8, true},
+                         Case{1024, 32, false}}) {
+        Store s;
+        const int64_t n = 9, E = c.E, k = c.k, V = 1000;
+        std::vector<float> lv = randn(size_t(n * E), 2.0f);
+        if (c.ties)
+            for (float & v : lv) v = std::round(v);  // five or so distinct logits a token
+        const Both logits = s.values(lv, E, n);
+        const Both bias = s.values(randn(size_t(E), 0.1f), E);
+        std::vector<int32_t> table(size_t(k * V)), tokens(static_cast<size_t>(n));
+        for (auto & v : table) v = int32_t(rng()() % uint64_t(E));
+        for (auto & v : tokens) v = int32_t(rng()() % uint64_t(V));
+        const Both tid2eid = s.ids(table, k, V), tok = s.ids(tokens, n);
+        for (bool hash : {false, true}) {
+            const bool with_bias = !hash && !c.ties;
+            const Both ex = s.out(GgmlType::I32, k, n), w = s.out(GgmlType::F32, k, n);
+            gpu().router(logits.g, with_bias ? bias.g : Tensor{}, hash ? tid2eid.g : Tensor{}, tok.g, 1.5f, ex.g, w.g);
+            cpu().router(logits.c, with_bias ? bias.c : Tensor{}, hash ? tid2eid.c : Tensor{}, tok.c, 1.5f, ex.c, w.c);
+            const std::string name = std::string(hash ? "hash" : "top-") + (hash ? "" : std::to_string(k)) + " of " +
+                                     std::to_string(E) + (c.ties ? ", tied scores" : "");
+            const std::vector<int32_t> ge = read_gpu_ids(ex.g);
+            for (size_t i = 0; i < ge.size(); ++i) ASSERT_EQ(ge[i], ex.c.i32()[i]) << name << ", choice " << i;
+            compare("router weights " + name, w, 1e-6);
+        }
     }
 }
 

@@ -672,6 +672,8 @@ class CudaBackend final : public Backend {
                 float route_scale, const Tensor & experts, const Tensor & weights) override {
         const OpScope scope(*this, "router");
         DSV4_CHECK(experts.ne[0] <= 32, "cuda router: {} experts per token (at most 32)", experts.ne[0]);
+        DSV4_CHECK(logits.ne[0] <= cuda::kRouterMaxExperts, "cuda router: {} experts (at most {})", logits.ne[0],
+                   cuda::kRouterMaxExperts);
         cuda::router(logits.f32(), bias ? bias.f32() : nullptr, tid2eid ? tid2eid.i32() : nullptr,
                      tokens ? tokens.i32() : nullptr, logits.rows(), logits.ne[0], experts.ne[0], route_scale,
                      experts.i32(), weights.f32(), stream_);
@@ -925,7 +927,7 @@ class CudaBackend final : public Backend {
         const int64_t n = x.rows(), dim = x.ne[0], inner = f.gate.ne[1], n_expert = f.gate.ne[2];
         const int64_t k = f.experts.ne[0], inner_sh = f.down_sh.ne[0];
         const bool fused =
-            n == 1 && k <= 32 && f.gate.type == f.up.type &&
+            n == 1 && k <= 32 && n_expert <= cuda::kRouterMaxExperts && f.gate.type == f.up.type &&
             cuda::moe_ffn_one_token_supported(f.gate.type, f.down.type, f.down_sh.type, inner, inner_sh) &&
             !(tensor_cores_ && cuda_tensor_core_moe(f.gate.type, f.down.type, dim, inner, k, n_expert));
         if (!fused) return Backend::moe_ffn(x, f, out);

@@ -275,6 +275,9 @@ constexpr int kCandidateBinsPerNat = 32, kCandidateBins = 1024;
 size_t logit_candidates_scratch(int64_t rows);
 void logit_candidates(const float * logits, int64_t rows, int64_t n_vocab, int64_t k, int32_t * ids, float * values,
                       float * stats, void * scratch, cudaStream_t s);
+// Top-k (or hash) routing of n tokens: k <= 32 choices of n_expert <= kRouterMaxExperts (a lane's share of the
+// scores stays in registers).
+constexpr int kRouterMaxExperts = 1024;
 void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
             int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s);
 

@@ -1199,66 +1199,66 @@ __global__ void __launch_bounds__(kCandThreads)
 // ---------------------------------------------------------------------------------------------------------------------
 constexpr int kRouterWarps = 4;
 
+// A score's order as an unsigned key: larger keys for larger floats, 0 for NaN (never chosen), -0 as +0.
+__device__ __forceinline__ uint32_t router_key(float s) {
+    if (s != s) return 0;
+    const uint32_t u = __float_as_uint(s == 0.0f ? 0.0f : s);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+// Lane l of a token's warp owns experts l + 32 j, j < kPerLane: their logits are loaded at once and their scores
+// stay in registers, so each of the k rounds of arg-max is the lane's own maximum and two warp reductions (the
+// highest key, then the lowest expert holding it: ties to the lower id, the CPU's partial_sort order). Rounds that
+// kept the scores in shared memory and reduced (score, id) pairs by shuffles took ~0.7 µs each: a top-k layer's
+// router ended ~6 µs after the logits, a hash layer's ~2 (session 55's traces).
+template <int kPerLane>
 __global__ void router_kernel(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens,
                               int64_t n, int n_expert, int k, float route_scale, int32_t * experts, float * weights) {
     extern __shared__ float sm_router[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t t = int64_t(blockIdx.x) * kRouterWarps + warp;
-    float * p = sm_router + warp * 2 * n_expert;
-    float * score = p + n_expert;
-    // The bias (a weight) waits in score before the previous kernel ends: one round trip fewer after it. So does a
+    float * p = sm_router + warp * n_expert;  // [n_expert] the token's probabilities, read back for the weights
+    // The bias (a weight) is in registers before the previous kernel ends: one round trip fewer after it. So is a
     // hash layer's choice (the token, written by the host, and the table, a weight): two round trips fewer.
-    for (int e = lane; e < n_expert; e += 32) score[e] = bias ? bias[e] : 0.0f;
+    float b[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) b[j] = bias && lane + 32 * j < n_expert ? bias[lane + 32 * j] : 0.0f;
     const int hashed = tid2eid && t < n && lane < k ? tid2eid[int64_t(tokens[t]) * k + lane] : 0;
     pdl_begin();
     if (t >= n) return;
     const float * lt = logits + t * n_expert;
-    // kBatch logits a lane loaded together (V4's 256 experts: all eight of a lane), then their scores.
-    constexpr int kBatch = 8;
-    for (int e0 = lane; e0 < n_expert; e0 += 32 * kBatch) {
-        float x[kBatch];
+    float x[kPerLane];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) x[j] = e0 + 32 * j < n_expert ? lt[e0 + 32 * j] : 0.0f;
+    for (int j = 0; j < kPerLane; ++j) x[j] = lane + 32 * j < n_expert ? lt[lane + 32 * j] : 0.0f;
+    uint32_t key[kPerLane];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-            const int e = e0 + 32 * j;
-            if (e >= n_expert) break;
-            p[e] = sqrtf(x[j] > 20.0f ? x[j] : log1pf(expf(x[j])));
-            score[e] += p[e];
-        }
+    for (int j = 0; j < kPerLane; ++j) {
+        const int e = lane + 32 * j;
+        const float pe = sqrtf(x[j] > 20.0f ? x[j] : log1pf(expf(x[j])));
+        if (e < n_expert) p[e] = pe;
+        key[j] = e < n_expert ? router_key(b[j] + pe) : 0;
     }
     __syncwarp();
-    // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of what this warp just stored.
-    int mine = 0;
-    if (tid2eid) {
-        mine = hashed;
-    } else {
-        // k rounds of arg-max: highest score, ties to the lower id (the CPU's partial_sort order).
-        for (int j = 0; j < k; ++j) {
-            float best = -INFINITY;
-            int best_e = INT_MAX;
-            for (int e = lane; e < n_expert; e += 32) {
-                const float s = score[e];
-                if (s != s) continue;
-                if (best_e == INT_MAX || s > best || (s == best && e < best_e)) {
-                    best = s;
-                    best_e = e;
-                }
-            }
+    // Lane j keeps the j-th choice (k <= 32): the weights then need no read-back of the choices.
+    int mine = hashed;
+    if (!tid2eid)
+        for (int r = 0; r < k; ++r) {
+            uint32_t best = 0;
+            int best_j = 0;
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ob = __shfl_xor_sync(kFull, best, o);
-                const int oe = __shfl_xor_sync(kFull, best_e, o);
-                if (oe != INT_MAX && (best_e == INT_MAX || ob > best || (ob == best && oe < best_e))) {
-                    best = ob;
-                    best_e = oe;
+            for (int j = 0; j < kPerLane; ++j)
+                if (key[j] > best) {
+                    best = key[j];
+                    best_j = j;
                 }
-            }
-            if (lane == j) mine = best_e == INT_MAX ? 0 : best_e;
-            if (best_e != INT_MAX && lane == best_e % 32) score[best_e] = __int_as_float(0x7fffffff);  // NaN: taken
-            __syncwarp();
+            const uint32_t top = __reduce_max_sync(kFull, best);
+            const int win = __reduce_min_sync(kFull, top != 0 && best == top ? lane + 32 * best_j : INT_MAX);
+            if (lane == r) mine = win == INT_MAX ? 0 : win;
+            if (win != INT_MAX && lane == win % 32)
+#pragma unroll
+                for (int j = 0; j < kPerLane; ++j)
+                    if (j == win / 32) key[j] = 0;  // taken
         }
-    }
     const bool valid = lane < k && mine >= 0 && mine < n_expert;
     const float pe = valid ? p[mine] : 0.0f;
     // The sum in choice order, as the CPU adds it.
@@ -1468,9 +1468,17 @@ void hc_post(const float * streams, const float * o, const float * post, const f
 void router(const float * logits, const float * bias, const int32_t * tid2eid, const int32_t * tokens, int64_t n,
             int64_t n_expert, int64_t k, float route_scale, int32_t * experts, float * weights, cudaStream_t s) {
     if (n <= 0) return;
-    const size_t smem = size_t(kRouterWarps) * 2 * size_t(n_expert) * sizeof(float);
-    launch(router_kernel, dim3(blocks_for(n, kRouterWarps)), dim3(kRouterWarps * 32), smem, s, logits, bias, tid2eid,
-           tokens, n, int(n_expert), int(k), route_scale, experts, weights);
+    const size_t smem = size_t(kRouterWarps) * size_t(n_expert) * sizeof(float);
+    const auto run = [&](auto kernel) {
+        launch(kernel, dim3(blocks_for(n, kRouterWarps)), dim3(kRouterWarps * 32), smem, s, logits, bias, tid2eid,
+               tokens, n, int(n_expert), int(k), route_scale, experts, weights);
+    };
+    if (n_expert <= 32 * 8)
+        run(router_kernel<8>);
+    else if (n_expert <= 32 * 16)
+        run(router_kernel<16>);
+    else
+        run(router_kernel<kRouterMaxExperts / 32>);
 }
 
 size_t logit_candidates_scratch(int64_t rows) { return size_t(rows) * sizeof(CandRow); }
