@@ -18,6 +18,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -81,10 +82,11 @@ class EngineImpl final : public Engine {
             backend_ = make_cpu_backend(cpu);
         }
         const int64_t n_ubatch = ubatch_for(options, on_gpu);
-        // A batched step is one pass over backend ops, checked bit for bit against single steps on the CPU. The CUDA
-        // backend runs the same ops, but no batch has run on a GPU yet: there, decode_batch steps the sessions one
-        // after another until a GPU session has checked and timed the batched pass.
-        batched_decode_ = !on_gpu;
+        // A batched step is one pass over backend ops: checked bit for bit against single steps on the CPU, and
+        // against the CPU on the GPU (cuda_model_test). DSV4_BATCHED_DECODE=0 steps the sessions one after another
+        // (for comparisons).
+        const char * batched = std::getenv("DSV4_BATCHED_DECODE");
+        batched_decode_ = !(batched && std::string_view(batched) == "0");
         const Timer load;
         LoadProgress lp;
         auto report = [&](uint64_t done, uint64_t total) {
@@ -339,7 +341,8 @@ void EngineImpl::decode_batch(std::span<Session * const> sessions, std::span<con
                    "decode_batch: token id {} outside the vocabulary [0, {})", tokens[i], info_.n_vocab);
         impl.push_back(s);
     }
-    if (!batched_decode_) {
+    // One session steps alone: its own captured step also computes the sampler's candidates inside the graph.
+    if (!batched_decode_ || impl.size() == 1) {
         for (size_t i = 0; i < impl.size(); ++i) impl[i]->eval(tokens.subspan(i, 1), false, {});
         return;
     }

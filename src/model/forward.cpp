@@ -345,14 +345,28 @@ void Model::decode_batch(std::span<KvState * const> states, std::span<const int3
     b.write(first(w.tokens, n), tokens.data(), size_t(n) * sizeof(int32_t));
     write_positions(runs, n);
     candidates_of_ = nullptr;
-    // Not captured: a device backend would keep a capture per set of states and bounds.
-    trunk(runs, n, {});
-    Tensor logits = first(w.logits, n);
-    head(make_tensor(GgmlType::F32, w.streams.data, config_.n_embd, config_.hc, 1, n), weights_.output_hc_fn,
-         weights_.output_hc_scale, weights_.output_hc_base, weights_.output_norm, n, logits);
-    const size_t row_bytes = size_t(config_.n_vocab) * sizeof(float);
-    for (int64_t i = 0; i < n; ++i)
-        b.copy(states[size_t(i)]->last_logits(), logits, row_bytes, 0, size_t(i) * row_bytes);
+    auto body = [&] {
+        trunk(runs, n, {});
+        Tensor logits = first(w.logits, n);
+        head(make_tensor(GgmlType::F32, w.streams.data, config_.n_embd, config_.hc, 1, n), weights_.output_hc_fn,
+             weights_.output_hc_scale, weights_.output_hc_base, weights_.output_norm, n, logits);
+        const size_t row_bytes = size_t(config_.n_vocab) * sizeof(float);
+        for (int64_t i = 0; i < n; ++i)
+            b.copy(states[size_t(i)]->last_logits(), logits, row_bytes, 0, size_t(i) * row_bytes);
+    };
+    // Like a single decode step, a batch is the same op sequence at every step while its states and their context
+    // bounds stay the same (a server's streams decode together for hundreds of steps): a device backend replays a
+    // capture per such set. The key's odd seed keeps it apart from single steps' keys.
+    if (!trace_) {
+        uint64_t key = 0x9e3779b97f4a7c15ull;
+        for (const SeqRun & r : runs)
+            key = (key ^ (std::hash<const void *>()(r.state) * 64 +
+                          uint64_t(std::countr_zero(uint64_t(context_bound(r.pos0 + 1)))))) *
+                  0x100000001b3ull;
+        b.run_captured(key, body);
+    } else {
+        body();
+    }
     for (KvState * s : states) s->set_n_past(s->n_past() + 1);
     b.synchronize();
 }

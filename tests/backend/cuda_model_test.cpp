@@ -241,6 +241,56 @@ TEST_P(CudaModel, DecodeCandidatesAreTheStatesOwnRow) {
     }
 }
 
+// A batched decode step on the GPU: three sequences of different prompts and depths stepped together (one sitting
+// out every fifth step) against the CPU's batched steps, which equal its single steps bit for bit (oracle_test);
+// then each state's candidates, which a batch leaves to be computed when asked.
+TEST_P(CudaModel, BatchedDecodeMatchesCpu) {
+    const std::string name = GetParam();
+    const Fixture & f = fixture(name);
+    Runner g(gguf(name, StorageMix::f32), cuda(), 16), c(gguf(name, StorageMix::f32), cpu(), 16);
+    const int64_t n = int64_t(f.tokens.size()), V = g.model->config().n_vocab;
+    const int64_t shift[] = {0, 5, n / 2}, depth[] = {n / 2, 3, n / 3};
+    auto token = [&](int i, int64_t p) { return f.tokens[size_t((p + shift[i]) % n)]; };
+    std::unique_ptr<KvState> gs[3], cs[3];
+    for (int i = 0; i < 3; ++i) {
+        std::vector<int32_t> prompt;
+        for (int64_t p = 0; p < depth[i]; ++p) prompt.push_back(token(i, p));
+        gs[i] = g.model->new_state(n);
+        cs[i] = c.model->new_state(n);
+        g.model->eval(*gs[i], prompt, LogitsMode::none, nullptr);
+        c.model->eval(*cs[i], prompt, LogitsMode::none, nullptr);
+    }
+    std::vector<float> got, want;
+    std::vector<float> row(static_cast<size_t>(V)), values(static_cast<size_t>(g.model->n_candidates()));
+    std::vector<int32_t> ids(values.size());
+    float stats[4];
+    for (int step = 0; depth[0] + step < n; ++step) {
+        std::vector<KvState *> gb, cb;
+        std::vector<int32_t> tokens;
+        for (int i = 0; i < 3; ++i) {
+            if (gs[i]->n_past() >= n || (i == 1 && step % 5 == 2)) continue;
+            gb.push_back(gs[i].get());
+            cb.push_back(cs[i].get());
+            tokens.push_back(token(i, gs[i]->n_past()));
+        }
+        g.model->decode_batch(gb, tokens);
+        c.model->decode_batch(cb, tokens);
+        for (size_t j = 0; j < gb.size(); ++j) {
+            g.model->read_last_logits(*gb[j], row.data());
+            got.insert(got.end(), row.begin(), row.end());
+            g.model->logit_candidates(*gb[j], ids.data(), values.data(), stats);
+            const int64_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
+            ASSERT_EQ(stats[3], float(argmax)) << "state " << j << " at " << gb[j]->n_past();
+            c.model->read_last_logits(*cb[j], row.data());
+            want.insert(want.end(), row.begin(), row.end());
+        }
+    }
+    const double worst = oracle::max_rel_err(got, want);
+    std::printf("  %-52s max rel err %.3g over %zu rows\n", (name + ": batched decode, GPU against CPU").c_str(), worst,
+                got.size() / size_t(V));
+    EXPECT_LT(worst, 1e-4);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModel,
                          ::testing::Values("hf-small-seed1", "hf-edge-seed1", "lite-seed2", "wide-seed1"));
 

@@ -338,6 +338,9 @@ class CudaBackend final : public Backend {
         if (!graphs_enabled_) return ops();
         auto it = graphs_.find(key);
         if (it == graphs_.end()) {
+            // Batched steps are keyed by their set of states: a server whose streams come and go makes new sets, and
+            // old sets rarely return. Past the cap every graph goes (each costs one eager step and one capture again).
+            if (graphs_.size() >= kMaxGraphs) drop_graphs();
             graphs_.emplace(key, nullptr);
             return ops();
         }
@@ -1456,6 +1459,7 @@ class CudaBackend final : public Backend {
     double upload_seconds_ = 0;
     bool capturing_ = false;
     std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
+    static constexpr size_t kMaxGraphs = 256;
     bool profile_ = false;
     std::vector<Timing> timings_;
     std::vector<cudaEvent_t> free_events_;
