@@ -249,29 +249,26 @@ TEST_P(CudaModel, BatchedDecodeMatchesCpu) {
     const Fixture & f = fixture(name);
     Runner g(gguf(name, StorageMix::f32), cuda(), 16), c(gguf(name, StorageMix::f32), cpu(), 16);
     const int64_t n = int64_t(f.tokens.size()), V = g.model->config().n_vocab;
-    const int64_t shift[] = {0, 5, n / 2}, depth[] = {n / 2, 3, n / 3};
-    auto token = [&](int i, int64_t p) { return f.tokens[size_t((p + shift[i]) % n)]; };
+    const oracle::BatchSequences seq{f};
     std::unique_ptr<KvState> gs[3], cs[3];
     for (int i = 0; i < 3; ++i) {
-        std::vector<int32_t> prompt;
-        for (int64_t p = 0; p < depth[i]; ++p) prompt.push_back(token(i, p));
         gs[i] = g.model->new_state(n);
         cs[i] = c.model->new_state(n);
-        g.model->eval(*gs[i], prompt, LogitsMode::none, nullptr);
-        c.model->eval(*cs[i], prompt, LogitsMode::none, nullptr);
+        g.model->eval(*gs[i], seq.prompt(i), LogitsMode::none, nullptr);
+        c.model->eval(*cs[i], seq.prompt(i), LogitsMode::none, nullptr);
     }
     std::vector<float> got, want;
     std::vector<float> row(static_cast<size_t>(V)), values(static_cast<size_t>(g.model->n_candidates()));
     std::vector<int32_t> ids(values.size());
     float stats[4];
-    for (int step = 0; depth[0] + step < n; ++step) {
+    for (int step = 0; seq.depth[0] + step < n; ++step) {
         std::vector<KvState *> gb, cb;
         std::vector<int32_t> tokens;
         for (int i = 0; i < 3; ++i) {
-            if (gs[i]->n_past() >= n || (i == 1 && step % 5 == 2)) continue;
+            if (!seq.steps(i, step, gs[i]->n_past())) continue;
             gb.push_back(gs[i].get());
             cb.push_back(cs[i].get());
-            tokens.push_back(token(i, gs[i]->n_past()));
+            tokens.push_back(seq.token(i, gs[i]->n_past()));
         }
         g.model->decode_batch(gb, tokens);
         c.model->decode_batch(cb, tokens);

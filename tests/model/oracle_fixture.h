@@ -170,4 +170,23 @@ inline std::vector<int64_t> prefill_then_decode(int64_t first, size_t total) {
     return calls;
 }
 
+// The batched-decode tests' three sequences of one fixture: sequence i reads the fixture's tokens from offset
+// shift[i] (wrapping) and is prefilled to depth[i], so their compressors, indexers and rings are at different points;
+// sequence 0 then decodes the fixture's own tokens.
+struct BatchSequences {
+    const OracleFixture & f;
+    int64_t n = int64_t(f.tokens.size());
+    int64_t shift[3] = {0, 5, n / 2}, depth[3] = {n / 2, 3, n / 3};
+
+    int32_t token(int i, int64_t p) const { return f.tokens[size_t((p + shift[i]) % n)]; }
+    std::vector<int32_t> prompt(int i) const {
+        std::vector<int32_t> t;
+        for (int64_t p = 0; p < depth[i]; ++p) t.push_back(token(i, p));
+        return t;
+    }
+    // Whether sequence i, at n_past tokens, is in the batch of `step`: until its context is full, and sequence 1
+    // sits out every fifth step (so batches change and recur).
+    bool steps(int i, int step, int64_t n_past) const { return n_past < n && !(i == 1 && step % 5 == 2); }
+};
+
 }  // namespace dsv4::oracle

@@ -152,29 +152,25 @@ TEST_P(Oracle, BatchedDecodeMatchesEachSequenceAlone) {
         Runner r(f, 16, numerics);
         Model & m = *r.model;
         const int64_t V = m.config().n_vocab;
-        // Sequence i: the fixture's tokens read from offset shift[i] (wrapping), prefilled to depth[i].
-        const int64_t shift[] = {0, 5, n / 2}, depth[] = {n / 2, 3, n / 3};
-        auto token = [&](int i, int64_t p) { return f.tokens[size_t((p + shift[i]) % n)]; };
+        const oracle::BatchSequences seq{f};
         std::unique_ptr<KvState> batched[3], alone[3];
         for (int i = 0; i < 3; ++i) {
-            std::vector<int32_t> prompt;
-            for (int64_t p = 0; p < depth[i]; ++p) prompt.push_back(token(i, p));
             batched[i] = m.new_state(n);
             alone[i] = m.new_state(n);
-            m.eval(*batched[i], prompt, LogitsMode::none, nullptr);
-            m.eval(*alone[i], prompt, LogitsMode::none, nullptr);
+            m.eval(*batched[i], seq.prompt(i), LogitsMode::none, nullptr);
+            m.eval(*alone[i], seq.prompt(i), LogitsMode::none, nullptr);
         }
         std::vector<float> got(static_cast<size_t>(V)), want(static_cast<size_t>(V));
-        std::vector<float> oracle_rows;  // sequence 0 decodes the fixture's tokens from depth[0]
-        for (int step = 0; depth[0] + step < n; ++step) {
+        std::vector<float> oracle_rows;  // sequence 0 decodes the fixture's tokens from seq.depth[0]
+        for (int step = 0; seq.depth[0] + step < n; ++step) {
             std::vector<KvState *> states;
             std::vector<int32_t> tokens;
             for (int i = 0; i < 3; ++i) {
                 const int64_t p = batched[i]->n_past();
-                if (p >= n || (i == 1 && step % 5 == 2)) continue;  // sequence 1 sits out every fifth step
+                if (!seq.steps(i, step, p)) continue;
                 states.push_back(batched[i].get());
-                tokens.push_back(token(i, p));
-                const int32_t one = token(i, p);
+                tokens.push_back(seq.token(i, p));
+                const int32_t one = seq.token(i, p);
                 m.eval(*alone[i], {&one, 1}, LogitsMode::last, nullptr);
             }
             m.decode_batch(states, tokens);
@@ -192,12 +188,12 @@ TEST_P(Oracle, BatchedDecodeMatchesEachSequenceAlone) {
             }
         }
         if (numerics == Numerics::reference) {
-            Fixture tail = f;  // the oracle's rows from position depth[0] on
-            tail.logits.rows = n - depth[0];
-            tail.logits.data.erase(tail.logits.data.begin(), tail.logits.data.begin() + depth[0] * V);
+            Fixture tail = f;  // the oracle's rows from position seq.depth[0] on
+            tail.logits.rows = n - seq.depth[0];
+            tail.logits.data.erase(tail.logits.data.begin(), tail.logits.data.begin() + seq.depth[0] * V);
             std::set<int64_t> fragile;
             for (int64_t t : f.fragile)
-                if (t >= depth[0]) fragile.insert(t - depth[0]);
+                if (t >= seq.depth[0]) fragile.insert(t - seq.depth[0]);
             tail.fragile = fragile;
             expect_matches_oracle(tail, oracle_rows, GetParam() + " batched decode");
         }
