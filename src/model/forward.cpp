@@ -545,7 +545,7 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<
     // scores, needed only by the attention. After its query's product, the rest may run as a branch beside the
     // query's product and norm: a decode step's indexer is a chain of small latency-bound kernels, long enough to
     // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable). A
-    // batch has no branch: its captures are not kept, and its per-run chains are its own.
+    // batch has no branch: each run's indexer is a chain of its own, launched one run after another.
     Tensor sel;
     const bool branch = csa && runs.size() == 1 && bound >= indexer_branch_context_;
     if (csa) {
