@@ -28,6 +28,10 @@ constexpr char kMagic[8] = {'D', 'S', 'V', '4', 'K', 'V', 'C', '1'};
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTrailerBytes = 8;
+// A snapshot file's size: header, text, payload, trailer.
+uint64_t file_bytes(uint64_t text_bytes, uint64_t payload_bytes) {
+    return kHeaderBytes + text_bytes + payload_bytes + kTrailerBytes;
+}
 // A key text longer than this is refused when indexing (a corrupt length field must not allocate gigabytes).
 constexpr uint64_t kMaxTextBytes = uint64_t(1) << 30;
 
@@ -138,7 +142,7 @@ void KvDiskCache::scan() {
             continue;
         }
         const bool sizes_ok = h.text_bytes <= kMaxTextBytes && h.payload_bytes <= size &&
-                              size == kHeaderBytes + h.text_bytes + h.payload_bytes + kTrailerBytes;
+                              size == file_bytes(h.text_bytes, h.payload_bytes);
         std::string text;
         if (sizes_ok) {
             text.resize(size_t(h.text_bytes));
@@ -232,7 +236,7 @@ std::optional<std::string> KvDiskCache::load(const Match & match) {
         uint64_t stored = 0;
         std::memcpy(&stored, bytes.data() + bytes.size() - kTrailerBytes, 8);
         ok = std::memcmp(h.magic, kMagic, 8) == 0 && h.fingerprint == fingerprint_ &&
-             bytes.size() == kHeaderBytes + h.text_bytes + h.payload_bytes + kTrailerBytes &&
+             bytes.size() == file_bytes(h.text_bytes, h.payload_bytes) &&
              XXH64(bytes.data(), bytes.size() - kTrailerBytes, 0) == stored &&
              std::string_view(bytes).substr(kHeaderBytes, size_t(h.text_bytes)) == it->text;
     }
@@ -265,7 +269,7 @@ bool KvDiskCache::save(std::string_view text, int64_t n_tokens, std::string_view
 
 bool KvDiskCache::store(std::string_view text, int64_t n_tokens, std::string_view payload, KvSaveReason reason,
                         std::unique_lock<std::mutex> & lock) {
-    const uint64_t bytes = kHeaderBytes + text.size() + payload.size() + kTrailerBytes;
+    const uint64_t bytes = file_bytes(text.size(), payload.size());
     if (bytes > budget_) {
         log_info("kv cache: a {} snapshot of {} tokens ({:.1f} MiB) exceeds --kv-disk-space-mb; not saved",
                  kv_save_reason_name(reason), n_tokens, double(bytes) / (1 << 20));
@@ -321,7 +325,7 @@ bool KvDiskCache::store(std::string_view text, int64_t n_tokens, std::string_vie
 }
 
 bool KvDiskCache::save_queued(std::string text, int64_t n_tokens, std::string payload, KvSaveReason reason) {
-    const uint64_t bytes = kHeaderBytes + text.size() + payload.size() + kTrailerBytes;
+    const uint64_t bytes = file_bytes(text.size(), payload.size());
     if (bytes > budget_) return save(text, n_tokens, payload, reason);  // refused there, with the log line
     std::unique_lock<std::mutex> lock(mutex_);
     queue_cv_.wait(lock, [&] { return queue_.empty() || queued_bytes_ + bytes <= kMaxQueuedBytes; });
@@ -343,7 +347,7 @@ void KvDiskCache::write_queued() {
         // Failures are logged. store() takes the lock back to add the entry, and the snapshot leaves the queue under
         // the same hold: a lookup finds it queued until it is an entry (or gone, when the write failed).
         store(q.text, q.n_tokens, q.payload, q.reason, lock);
-        queued_bytes_ -= kHeaderBytes + q.text.size() + q.payload.size() + kTrailerBytes;
+        queued_bytes_ -= file_bytes(q.text.size(), q.payload.size());
         queue_.pop_front();
         queue_cv_.notify_all();
     }
