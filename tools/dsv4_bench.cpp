@@ -225,18 +225,16 @@ int main(int argc, char ** argv) {
                 Sample agg;
                 for (int r = 0; r < repeat; ++r) {
                     std::vector<std::unique_ptr<Session>> ss;
+                    std::vector<Session *> step;
                     for (int i = 0; i < n; ++i) {
                         ss.push_back(engine->new_session(first_frontier + gen_tokens + 1));
                         ss.back()->eval(std::span<const int32_t>(ids).subspan(size_t(i), size_t(first_frontier)));
+                        step.push_back(ss.back().get());
                     }
-                    Timer t;
-                    std::vector<Session *> step(static_cast<size_t>(n));
                     std::vector<int32_t> next(static_cast<size_t>(n));
+                    Timer t;
                     for (int64_t k = 0; k < gen_tokens; ++k) {
-                        for (int i = 0; i < n; ++i) {
-                            step[size_t(i)] = ss[size_t(i)].get();
-                            next[size_t(i)] = next_token(*ss[size_t(i)]);
-                        }
+                        for (int i = 0; i < n; ++i) next[size_t(i)] = next_token(*ss[size_t(i)]);
                         engine->decode_batch(step, next);
                     }
                     agg.add(t.seconds());
