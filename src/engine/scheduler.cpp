@@ -615,8 +615,10 @@ void Scheduler::prefill_piece(Active & a, bool sliced) {
             const double rate = double(end - at) / timer.seconds();
             prefill_rate_ = prefill_rate_ > 0 ? (prefill_rate_ + rate) / 2 : rate;
         }
-        const bool complete = done && end == a.n_prompt() && !a.stopped(abort_running_);
-        if (!done || a.stopped(abort_running_) || complete) {
+        // Asked once: a cancellation arriving between two asks would make the piece both complete and stopped.
+        const bool stopped = !done || a.stopped(abort_running_);
+        const bool complete = !stopped && end == a.n_prompt();
+        if (stopped || complete) {
             a.usage.prefill_seconds = a.prefill_timer.seconds();
             std::lock_guard<std::mutex> lock(mutex_);
             const int64_t n = int64_t(session.tokens().size()) - a.prefill_first;
@@ -625,7 +627,7 @@ void Scheduler::prefill_piece(Active & a, bool sliced) {
             if (complete && n > 0 && a.usage.prefill_seconds > 0)
                 stats_.last_prefill_tps = double(n) / a.usage.prefill_seconds;
         }
-        if (!done || a.stopped(abort_running_)) {
+        if (stopped) {
             interrupt(a);
             return;
         }
