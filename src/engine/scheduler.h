@@ -1,8 +1,8 @@
 // The scheduler: one inference thread that owns every session of an Engine and runs generation requests from a
 // FIFO queue, up to one per session at once. Each loop it admits queued requests while sessions are free, evaluates
-// one piece of a running prefill (an engine chunk, or up to the next snapshot point; prompts take turns), then steps
-// every decoding request by one token in one Engine::decode_batch call: a short request's tokens come between a long
-// one's, and a long prompt delays the others by one piece at a time.
+// one piece of a running prefill (an engine chunk, a slice of one while others decode, or up to the next snapshot
+// point; prompts take turns), then steps every decoding request by one token in one Engine::decode_batch call: a
+// short request's tokens come between a long one's, and a long prompt delays the others by one piece at a time.
 //
 // For each request it picks, among the sessions no running request holds, the one that saves the most prefill:
 //   1. live, token prefix: a session whose tokens are a prefix of the prompt's tokens (extend it);
