@@ -163,6 +163,16 @@ class Backend {
     virtual void end_branch() {}
     virtual void join_branch() {}
 
+    // Lanes: the per-sequence ops of a batched step (Model::decode_batch), n_lanes independent sequences of ops.
+    // The ops issued after lane(i) form lane i; lane i writes only what no other lane reads or writes (its sequence's
+    // state and rows), and reads only that and what was written before begin_lanes. Every op after end_lanes sees
+    // every lane's results. A device backend may run the lanes beside each other (the CUDA backend does: each
+    // sequence's chain of small kernels would otherwise run one after another); in-order backends need do nothing.
+    // Not inside a branch.
+    virtual void begin_lanes(int /*n_lanes*/) {}
+    virtual void lane(int /*i*/) {}
+    virtual void end_lanes() {}
+
     // ---- dense ops -------------------------------------------------------------------------------------------
     // out[t] = table[ids[t]] as F32. table [width, n_rows] of any weight type; ids I32 [n]; out F32 [n, width].
     virtual void get_rows(const Tensor & table, const Tensor & ids, const Tensor & out) = 0;

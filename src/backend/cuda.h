@@ -58,6 +58,7 @@ struct CudaScratchShape {
     int64_t n_ubatch = 1, n_ctx = 0, n_embd = 0, expert_ff = 0, n_expert = 0, n_expert_used = 0, n_head = 0,
             head_dim = 0, min_ratio = 0;
     int64_t dense_weight = 0;  // values of the largest dense (non-expert) projection weight but the output head
+    int64_t lanes = 1;         // sequences that decode together (the sessions): a batched step's lanes
 };
 uint64_t cuda_scratch_bytes(const CudaScratchShape & s);
 

@@ -409,6 +409,7 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
             s.n_expert_used = c.n_expert_used;
             s.n_head = c.n_head;
             s.head_dim = c.head_dim;
+            s.lanes = q.n_sessions;
             // q_b, o_a, o_b, the shared expert's matrices, MTP's projection of [embedding, hidden]
             s.dense_weight =
                 std::max({c.q_dim() * c.q_lora_rank, c.q_dim() * c.o_lora_rank, c.n_embd * c.o_groups * c.o_lora_rank,

@@ -544,67 +544,53 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<
     // A CSA layer's indexer picks the compressed rows each token attends to: its own compressor, query product and
     // scores, needed only by the attention. After its query's product, the rest may run as a branch beside the
     // query's product and norm: a decode step's indexer is a chain of small latency-bound kernels, long enough to
-    // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable). A
-    // batch has no branch: each run's indexer is a chain of its own, launched one run after another.
-    Tensor sel;
-    const bool branch = csa && runs.size() == 1 && bound >= indexer_branch_context_;
+    // gain from it at long contexts (the bound is part of a captured sequence's key, so the choice is stable).
+    const bool batch = runs.size() > 1;
+    const bool branch = csa && !batch && bound >= indexer_branch_context_;
+    Tensor iq, sel;
     if (csa) {
-        Tensor iq = first(w.idx_q, n);
+        iq = first(w.idx_q, n);
+        if (c.indexer_top_k > 0) sel = first(w.selected, n);
         b.matmul(L.idx_q_b, cq, reshape(iq, HI * dI, n));
         if (branch) b.begin_branch(n);
-        const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
-                                          official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
-        for (const SeqRun & r : runs) {
-            LayerState & S = state_of(r);
-            b.compressor_update(rows_of(ikv, r), rows_of(iscore, r), L.idx_comp_ape, S.idx_kv, S.idx_score,
-                                rows_of(pos, r), R, true, ifinish, S.idx_keys);
-        }
         b.rope(iq, rope, pos, false);
         if (official) b.hadamard_fp4_roundtrip(reshape(iq, dI, HI * n));
-        if (c.indexer_top_k > 0) {
-            sel = first(w.selected, n);
-            // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
-            for (const SeqRun & r : runs)
-                b.indexer_select(rows_of(iq, r), rows_of(iw, r), visible_rows(state_of(r).idx_keys, bound_of(r), R),
-                                 rows_of(pos, r), R, 1.0f / std::sqrt(float(dI) * float(HI)), rows_of(sel, r));
-        }
-        if (branch) b.end_branch();
     }
+    // A run's indexer: its compressor, then its top-k of the visible rows.
+    const CompressedRowFinish ifinish{L.idx_comp_norm, c.norm_eps, rope,
+                                      official ? RowRounding::hadamard_fp4 : RowRounding::none, 0};
+    auto index = [&](const SeqRun & r) {
+        LayerState & S = state_of(r);
+        b.compressor_update(rows_of(ikv, r), rows_of(iscore, r), L.idx_comp_ape, S.idx_kv, S.idx_score, rows_of(pos, r),
+                            R, true, ifinish, S.idx_keys);
+        // score = Σ_h w_h·H_I^-1/2 · relu(q_h·k)·d_I^-1/2: both scales fold into one constant.
+        if (c.indexer_top_k > 0)
+            b.indexer_select(rows_of(iq, r), rows_of(iw, r), visible_rows(S.idx_keys, bound_of(r), R), rows_of(pos, r),
+                             R, 1.0f / std::sqrt(float(dI) * float(HI)), rows_of(sel, r));
+    };
+    if (csa && !batch) index(runs.front());
+    if (branch) b.end_branch();
 
     b.matmul(L.q_b, cq, reshape(q, c.q_dim(), n));
-    // The query heads (no weight), and the one K=V row per token: normed, rotated like the queries, FP8-rounded
-    // in the official numerics, and written into the raw ring before attending so that a token sees itself and
-    // the earlier tokens of its chunk.
-    for (const SeqRun & r : runs) {
-        const NormRopeTarget heads[] = {
-            {rows_of(q, r), Tensor{}, 0, Tensor{}},
-            {reshape(rows_of(kv, r), d, 1, r.n), L.kv_norm, official ? d - c.n_rot : 0, state_of(r).raw}};
-        b.norm_rope(heads, c.norm_eps, rope, rows_of(pos, r));
-    }
-
     // A compressed row is normed and rotated at its block's first position b·R, then rounded.
     const CompressedRowFinish finish{L.comp_norm, c.norm_eps, rope, official ? RowRounding::fp8 : RowRounding::none,
                                      d - c.n_rot};
-    if (compressed)
-        for (const SeqRun & r : runs) {
-            LayerState & S = state_of(r);
+    Tensor attn = first(w.attn, n);
+    // A run's attention: the query heads (no weight) and its one K=V row per token, normed, rotated like the queries,
+    // FP8-rounded in the official numerics and written into the raw ring before attending, so that a token sees
+    // itself and the earlier tokens of its chunk; its compressor; then attention over its own state up to its own
+    // context bound. Values carry the rotation of their own positions; turning the output back by the query's angle
+    // leaves relative phase only.
+    auto attend = [&](const SeqRun & r, bool join) {
+        LayerState & S = state_of(r);
+        const NormRopeTarget heads[] = {
+            {rows_of(q, r), Tensor{}, 0, Tensor{}},
+            {reshape(rows_of(kv, r), d, 1, r.n), L.kv_norm, official ? d - c.n_rot : 0, S.raw}};
+        b.norm_rope(heads, c.norm_eps, rope, rows_of(pos, r));
+        if (compressed)
             b.compressor_update(row_view(ckv, r.row0, r.n), row_view(cscore, r.row0, r.n), L.comp_ape, S.comp_kv,
                                 S.comp_score, rows_of(pos, r), R, csa, finish, S.comp);
-        }
-    if (branch) b.join_branch();
-    if (compressed && runs.size() == 1) {
-        const SeqRun & r = runs.front();
-        const int64_t b0 = r.pos0 / R, m = (r.pos0 + r.n) / R - b0;  // rows completed by this chunk (traces only)
-        if (m > 0) trace("compressed_kv", il, row_view(state_of(r).comp, b0, m));
-        if (csa && m > 0) trace("indexer_kv", il, row_view(state_of(r).idx_keys, b0, m));
-    }
-    if (csa && c.indexer_top_k > 0) trace("indexer_topk", il, sel);
-
-    Tensor attn = first(w.attn, n);
-    // Values carry the rotation of their own positions; turning the output back by the query's angle leaves
-    // relative phase only.
-    for (const SeqRun & r : runs) {
-        LayerState & S = state_of(r);
+        if (join) b.join_branch();
         CompressedRows comp;
         if (compressed && !(csa && c.indexer_top_k == 0)) {  // with top_k 0 no compressed row is ever selected
             comp.rows = visible_rows(S.comp, bound_of(r), R);
@@ -613,7 +599,27 @@ void Model::attention(const LayerWeights & L, const LayerConfig & lc, std::span<
         }
         b.attention(rows_of(q, r), S.raw, rows_of(pos, r), c.window, comp, L.sinks, 1.0f / std::sqrt(float(d)),
                     rows_of(attn, r), &rope);
+    };
+    if (batch) {
+        // Each sequence's own ops (its indexer and attention: a chain of small kernels a layer) in a lane of its own.
+        b.begin_lanes(int(runs.size()));
+        for (size_t i = 0; i < runs.size(); ++i) {
+            b.lane(int(i));
+            if (csa) index(runs[i]);
+            attend(runs[i], false);
+        }
+        b.end_lanes();
+    } else {
+        const SeqRun & r = runs.front();
+        attend(r, branch);
+        if (compressed) {
+            const int64_t b0 = r.pos0 / R, m = (r.pos0 + r.n) / R - b0;  // rows completed by this chunk (traces only)
+            if (m > 0) trace("compressed_kv", il, row_view(state_of(r).comp, b0, m));
+            if (csa && m > 0) trace("indexer_kv", il, row_view(state_of(r).idx_keys, b0, m));
+        }
     }
+    if (csa && c.indexer_top_k > 0) trace("indexer_topk", il, sel);
+
     Tensor o_low = first(w.o_low, n);
     b.matmul_grouped(L.o_a, reshape(attn, c.q_dim(), n), o_low, c.o_groups);
     b.matmul(L.o_b, o_low, first(w.out, n));

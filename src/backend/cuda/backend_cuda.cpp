@@ -72,9 +72,15 @@ constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
 // (16 experts' gate and up of V4 Flash each).
 constexpr int64_t kMoeCublasMinPairs = 256;
 constexpr int64_t kMoeCublasWeightBytes = int64_t(512) << 20;
+// FFN sublayers of up to this many tokens (a batch of decode steps) run moe_ffn's fused path, a one-token product
+// per (token, expert) pair; larger ones group the pairs by expert (the composition).
+constexpr int64_t kFusedFfnTokens = 16;
 // Steps of up to this many tokens run a model's branches (Backend::begin_branch) beside the main chain: decode, where
 // the chain's small kernels leave most of the GPU idle. Larger steps fill it by themselves.
 constexpr int64_t kBranchMaxTokens = 8;
+// A batched step's lanes (Backend::begin_lanes) run on this many streams, each with its own scratch arena; more lanes
+// share them in turn.
+constexpr int kMaxLanes = 16;
 // A switch of the environment: "0" is off, anything else on, unset the default.
 bool env_switch(const char * name, bool default_on) {
     const char * e = std::getenv(name);
@@ -139,6 +145,13 @@ class CudaBackend final : public Backend {
         check(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming), "cudaEventCreate(branch)");
         check(cudaEventCreateWithFlags(&branch_done_, cudaEventDisableTiming), "cudaEventCreate(branch)");
         branches_enabled_ = env_switch("DSV4_CUDA_BRANCH", true);
+        // Lanes are latency-bound chains like the branch: the same precedence.
+        for (int i = 0; i < kMaxLanes; ++i) {
+            check(cudaStreamCreateWithPriority(&lanes_[i], cudaStreamNonBlocking, greatest), "cudaStreamCreate(lane)");
+            check(cudaEventCreateWithFlags(&lane_done_[i], cudaEventDisableTiming), "cudaEventCreate(lane)");
+        }
+        check(cudaEventCreateWithFlags(&lane_fork_, cudaEventDisableTiming), "cudaEventCreate(lane)");
+        lanes_enabled_ = env_switch("DSV4_CUDA_LANES", true);
         ring_enabled_ = env_switch("DSV4_CUDA_RING", true);
         for (int i = 0; i < 2; ++i) {
             check(cudaEventCreateWithFlags(&moe_decoded_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
@@ -194,6 +207,8 @@ class CudaBackend final : public Backend {
             if (e) cudaEventDestroy(e);
         for (Arena & a : arenas_)
             if (a.data) cudaFree(a.data);
+        for (Arena & a : lane_arenas_)
+            if (a.data) cudaFree(a.data);
         if (cublas_) cublasDestroy(cublas_);
         cudaFree(iq2_);
         cudaFree(hc_done_);
@@ -206,6 +221,11 @@ class CudaBackend final : public Backend {
             cudaEventDestroy(moe_decoded_[i]);
             cudaEventDestroy(moe_read_[i]);
         }
+        for (int i = 0; i < kMaxLanes; ++i) {
+            cudaEventDestroy(lane_done_[i]);
+            cudaStreamDestroy(lanes_[i]);
+        }
+        cudaEventDestroy(lane_fork_);
         cudaStreamDestroy(side_);
         cudaStreamDestroy(branch_);
         cudaStreamDestroy(stream_);
@@ -379,6 +399,7 @@ class CudaBackend final : public Backend {
     // in order.
     void begin_branch(int64_t n_tokens) override {
         DSV4_CHECK(!in_branch_ && origin_ == nullptr, "cuda: a branch began inside another");
+        DSV4_CHECK(!in_lanes_, "cuda: a branch began inside lanes");
         in_branch_ = true;
         if (!branches_enabled_ || n_tokens > kBranchMaxTokens) return;
         check(cudaEventRecord(branch_fork_, stream_), "cudaEventRecord(branch)");
@@ -398,6 +419,39 @@ class CudaBackend final : public Backend {
     void join_branch() override {
         DSV4_CHECK(!in_branch_, "cuda: join_branch inside a branch");
         join_branch_pending();
+    }
+
+    // Lane i's ops on stream i % kMaxLanes, which waits for stream_'s work before begin_lanes; end_lanes makes
+    // stream_ wait for each. A batch's per-sequence kernels (one to a few dozen blocks each, 3-9 a layer) then run
+    // beside each other instead of in one chain as long as the batch.
+    void begin_lanes(int n_lanes) override {
+        DSV4_CHECK(!in_branch_ && origin_ == nullptr && !in_lanes_, "cuda: lanes began inside a branch or lanes");
+        in_lanes_ = true;
+        if (!lanes_enabled_ || n_lanes < 2) return;
+        lane_origin_ = stream_;
+        lanes_open_ = std::min(n_lanes, kMaxLanes);
+        check(cudaEventRecord(lane_fork_, stream_), "cudaEventRecord(lanes)");
+        for (int i = 0; i < lanes_open_; ++i)
+            check(cudaStreamWaitEvent(lanes_[i], lane_fork_), "cudaStreamWaitEvent(lanes)");
+    }
+    void lane(int i) override {
+        DSV4_CHECK(in_lanes_ && i >= 0, "cuda: lane {} outside lanes", i);
+        if (!lane_origin_) return;
+        lane_ = i % lanes_open_;
+        stream_ = lanes_[lane_];
+    }
+    void end_lanes() override {
+        DSV4_CHECK(in_lanes_, "cuda: end_lanes without begin_lanes");
+        in_lanes_ = false;
+        if (!lane_origin_) return;
+        stream_ = lane_origin_;
+        for (int i = 0; i < lanes_open_; ++i) {
+            check(cudaEventRecord(lane_done_[i], lanes_[i]), "cudaEventRecord(lanes)");
+            check(cudaStreamWaitEvent(stream_, lane_done_[i]), "cudaStreamWaitEvent(lanes)");
+        }
+        lane_origin_ = nullptr;
+        lane_ = -1;
+        lanes_open_ = 0;
     }
 
     // ---- dense ops -------------------------------------------------------------------------------------------
@@ -919,20 +973,24 @@ class CudaBackend final : public Backend {
         launched("moe_combine");
     }
 
-    // One token (decode) of a q2-mix file, in six launches instead of the composition's ten: x quantized once
-    // for both the shared expert's Q8_0 rows and the routed experts' K-quant rows; the router's and the shared
-    // expert's gate/up projections; the router; the routed gate/up beside the shared expert's down projection
-    // (moe_shared: the first is bound by instruction issue, the second by its 8.9 MB, and neither needs the
-    // other; the shared blocks quantize swiglu(g, u) themselves); the routed down, each block quantizing its
-    // pair's hidden row (moe_down); the weighted sum plus the shared row. The values are the composition's bit for
-    // bit: the same quantization, each product split as its own launch would, and routed + shared added once.
+    // A decode step of a q2-mix file (one token, or a batch of up to kFusedFfnTokens sequences), in six launches
+    // instead of the composition's ten: x quantized once for both the shared expert's Q8_0 rows and the routed
+    // experts' K-quant rows; the router's and the shared expert's gate/up projections; the router; the routed gate/up
+    // beside the shared expert's down projection (moe_shared: the first is bound by instruction issue, the second by
+    // its 8.9 MB, and neither needs the other; the shared blocks quantize swiglu(g, u) themselves); the routed down,
+    // each block quantizing its pair's hidden row (moe_down); the weighted sum plus the shared row. Every (token,
+    // expert) pair is its own one-token product: a batch's tokens rarely share an expert (6 of 256 each), so grouping
+    // them by expert (the composition's plan) would save few bytes, and its tiles of several tokens ran the routed
+    // products at a quarter of this path's rate (docs/cuda.md, "Batched decode"). For one token the values are the
+    // composition's bit for bit: the same quantization, each product split as its own launch would, and routed +
+    // shared added once.
     void moe_ffn(const Tensor & x, const MoeFfn & f, const Tensor & out) override {
         const int64_t n = x.rows(), dim = x.ne[0], inner = f.gate.ne[1], n_expert = f.gate.ne[2];
-        const int64_t k = f.experts.ne[0], inner_sh = f.down_sh.ne[0];
+        const int64_t k = f.experts.ne[0], inner_sh = f.down_sh.ne[0], pairs = n * k;
         const bool fused =
-            n == 1 && k <= 32 && n_expert <= cuda::kRouterMaxExperts && f.gate.type == f.up.type &&
-            cuda::moe_ffn_one_token_supported(f.gate.type, f.down.type, f.down_sh.type, inner, inner_sh) &&
-            !(tensor_cores_ && cuda_tensor_core_moe(f.gate.type, f.down.type, dim, inner, k, n_expert));
+            n <= kFusedFfnTokens && k <= 32 && n_expert <= cuda::kRouterMaxExperts && f.gate.type == f.up.type &&
+            cuda::moe_ffn_fused_supported(f.gate.type, f.down.type, f.down_sh.type, inner, inner_sh) &&
+            !(tensor_cores_ && cuda_tensor_core_moe(f.gate.type, f.down.type, dim, inner, pairs, n_expert));
         if (!fused) return Backend::moe_ffn(x, f, out);
         const OpScope scope(*this, "moe_ffn " + matmul_name(f.gate, x));
         cuda::MatvecArgs proj = matvec_args(x);
@@ -960,12 +1018,12 @@ class CudaBackend final : public Backend {
         d.n_expert = int(n_expert);
 
         // Scratch (one arena for the op): x's codes of each kind (the projections' and the routed gate/up's),
-        // hidden rows [k, I], expert rows [k, D], the shared expert's row [D].
+        // hidden rows [pairs, I], expert rows [pairs, D], the shared expert's rows [n, D].
         const ActPlan plan = act_plan(proj, dim, f.gate.type);
-        const size_t h_bytes = round_up(size_t(k * inner) * sizeof(float));
-        const size_t y_bytes = round_up(size_t(k * dim) * sizeof(float));
-        uint8_t * base =
-            static_cast<uint8_t *>(scratch(plan.total() + h_bytes + y_bytes + round_up(size_t(dim) * sizeof(float))));
+        const size_t h_bytes = round_up(size_t(pairs * inner) * sizeof(float));
+        const size_t y_bytes = round_up(size_t(pairs * dim) * sizeof(float));
+        uint8_t * base = static_cast<uint8_t *>(
+            scratch(plan.total() + h_bytes + y_bytes + round_up(size_t(n * dim) * sizeof(float))));
         float * h = reinterpret_cast<float *>(base + plan.total());
         float * ybuf = reinterpret_cast<float *>(base + plan.total() + h_bytes);
         float * ysh = reinterpret_cast<float *>(base + plan.total() + h_bytes + y_bytes);
@@ -974,23 +1032,24 @@ class CudaBackend final : public Backend {
         g.xq[0] = proj.xq[0];
         g.xq[1] = proj.xq[1];
         proj.ring = ring_allowed();
-        cuda::matvec(proj, 1, 1, stream_);
+        const int nt = tile_tokens(proj);
+        cuda::matvec(proj, (n + nt - 1) / nt, nt, stream_);
         launched("moe_ffn projections");
         cuda::router(f.logits.f32(), f.bias ? f.bias.f32() : nullptr, f.tid2eid ? f.tid2eid.i32() : nullptr,
-                     f.tokens ? f.tokens.i32() : nullptr, 1, f.logits.ne[0], k, f.route_scale, f.experts.i32(),
+                     f.tokens ? f.tokens.i32() : nullptr, n, f.logits.ne[0], k, f.route_scale, f.experts.i32(),
                      f.weights.f32(), stream_);
         g.t[0].y = h;
         g.t[0].y_stride = inner;
         sh.t[0] = target(f.down_sh, Tensor{}, dim);
         sh.t[0].y = ysh;
         sh.t[0].y_stride = dim;
-        cuda::moe_shared(g, int(k), sh, stream_);
+        cuda::moe_shared(g, int(pairs), sh, stream_);
         launched("moe_ffn gate/up + shared down");
         d.x = h;
         d.t[0].y = ybuf;
         d.t[0].y_stride = dim;
-        cuda::moe_down(d, int(k), stream_);
-        cuda::moe_combine(ybuf, nullptr, f.experts.i32(), f.weights.f32(), 1, k, n_expert, dim, ysh, out.f32(),
+        cuda::moe_down(d, int(pairs), stream_);
+        cuda::moe_combine(ybuf, nullptr, f.experts.i32(), f.weights.f32(), n, k, n_expert, dim, ysh, out.f32(),
                           stream_);
         launched("moe_ffn down + combine");
     }
@@ -1118,7 +1177,8 @@ class CudaBackend final : public Backend {
     }
     // Every stream's work joined into stream_ (the branch's and the Sinkhorns' of side_).
     void join_side() {
-        DSV4_CHECK(!in_branch_, "cuda: a step that synchronises, reads or writes inside a branch");
+        DSV4_CHECK(!in_branch_ && !in_lanes_,
+                   "cuda: a step that synchronises, reads or writes inside a branch or lanes");
         join_branch_pending();
         if (!side_pending_) return;
         check(cudaStreamWaitEvent(stream_, side_done_), "cudaStreamWaitEvent(side)");
@@ -1191,10 +1251,18 @@ class CudaBackend final : public Backend {
         cuda::matvec_quantize(jobs, n_jobs, stream_);
     }
 
+    // Tokens a tile of a's plain products takes: the fewest any target's weight type allows.
+    static int tile_tokens(const cuda::MatvecArgs & a) {
+        int nt = cuda::kMaxTileTokens;
+        for (int i = 0; i < a.n_targets; ++i)
+            nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, a.t[0].w.ne0, a.n));
+        return nt;
+    }
+
     // Whether a one-token product may take the ring kernel (MatvecArgs::ring): not beside a branch, whose kernels
     // would wait for its blocks. (Its producer reads weights before the PDL wait: upload_weight's fence keeps an
     // upload's repack ahead of it.)
-    bool ring_allowed() { return ring_enabled_ && !branch_pending_ && !origin_; }
+    bool ring_allowed() { return ring_enabled_ && !branch_pending_ && !origin_ && !lane_origin_; }
 
     // Quantizes the activations once per kind the targets need (quantized weights), then launches.
     void run_matvec(cuda::MatvecArgs & a) {
@@ -1218,8 +1286,7 @@ class CudaBackend final : public Backend {
             return;
         }
         const int64_t k = a.t[0].w.ne0;
-        int nt = cuda::kMaxTileTokens;
-        for (int i = 0; i < a.n_targets; ++i) nt = std::min(nt, cuda::matvec_tile_tokens(a.t[i].w.type, k, a.n));
+        const int nt = tile_tokens(a);
         const ActPlan plan = act_plan(a, k);
         if (plan.total() > 0) quantize_acts(a, plan, k, static_cast<uint8_t *>(scratch(plan.total())));
         a.ring = ring_allowed();
@@ -1335,7 +1402,7 @@ class CudaBackend final : public Backend {
     // a branch's ops, which run beside them. It only grows, outside captures: the first run of a captured sequence
     // is eager and sizes it.
     void * scratch(size_t bytes) {
-        Arena & a = arenas_[stream_ == branch_ ? 1 : 0];
+        Arena & a = lane_ >= 0 ? lane_arenas_[lane_] : arenas_[stream_ == branch_ ? 1 : 0];
         bytes = std::max<size_t>(bytes, 256);
         if (bytes <= a.size) return a.data;
         DSV4_CHECK(!capturing_, "cuda: scratch arena would grow inside a captured sequence ({} bytes)", bytes);
@@ -1424,6 +1491,14 @@ class CudaBackend final : public Backend {
     bool in_branch_ = false;         // between begin_branch and end_branch
     bool branch_pending_ = false;    // branch_ has work stream_ has not joined
     bool branches_enabled_ = true;
+    cudaStream_t lanes_[kMaxLanes] = {};  // begin_lanes .. end_lanes' ops, lane i on lanes_[i % kMaxLanes]
+    cudaEvent_t lane_fork_ = nullptr, lane_done_[kMaxLanes] = {};
+    Arena lane_arenas_[kMaxLanes];        // scratch() of each lane stream's ops
+    cudaStream_t lane_origin_ = nullptr;  // stream_ while lanes' ops are issued
+    int lane_ = -1;                       // the lane whose ops are issued, or -1
+    int lanes_open_ = 0;                  // lane streams of the open lanes
+    bool in_lanes_ = false;               // between begin_lanes and end_lanes
+    bool lanes_enabled_ = true;           // DSV4_CUDA_LANES
     bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large products on the ring kernel (matvec.cu)
     cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
@@ -1567,8 +1642,13 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t branch =
         rows > 0 ? indexer_op_scratch(branch_tokens, int64_t(rows), 1) + uint64_t(branch_tokens * s.n_embd) * 2 + 4096
                  : 0;
-    // The arena holds one op's scratch at a time; the branch's arena and the upload staging stay allocated beside it.
-    return std::max({moe, moe_cublas, idx, attn, dense}) + branch + 2 * kStageBytes;
+    // A batched step's lanes (one a sequence, at most kMaxLanes): one token's attention partials or indexer scratch.
+    const uint64_t lane = std::max(rows > 0 ? uint64_t(indexer_op_scratch(1, int64_t(rows), 1)) : 0,
+                                   uint64_t(s.n_head * 64 * (s.head_dim + 2)) * f);
+    const uint64_t lanes = s.lanes > 1 ? uint64_t(std::min<int64_t>(s.lanes, kMaxLanes)) * lane : 0;
+    // The arena holds one op's scratch at a time; the branch's and the lanes' arenas and the upload staging stay
+    // allocated beside it.
+    return std::max({moe, moe_cublas, idx, attn, dense}) + branch + lanes + 2 * kStageBytes;
 }
 
 }  // namespace dsv4

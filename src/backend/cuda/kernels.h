@@ -172,14 +172,13 @@ void moe_combine(const float * ybuf, const int32_t * row_of, const int32_t * exp
 // row_base[experts[p]] of dst is f16(x[p / src_div]) (x: rows of width values), and row_of[p] = r.
 void moe_gather_f16(const float * x, int64_t width, const int32_t * pairs, int src_div, const int32_t * experts,
                     const int32_t * row_base, int64_t n_rows, uint16_t * dst, int32_t * row_of, cudaStream_t s);
-// One token's FFN sublayer parts for moe_ffn (ds4's q2 mix: IQ2_XXS gate/up, Q2_K down, Q8_0 shared expert; the
+// A decode step's FFN sublayer parts for moe_ffn (ds4's q2 mix: IQ2_XXS gate/up, Q2_K down, Q8_0 shared expert; the
 // widths' activation rows must fit a block's shared memory). moe_shared: the routed gate/up products (`routed`: one
 // glu target over `pairs` pairs, pair_experts and n_expert set, its input quantized in xq) and the shared expert's
-// down projection (`shared`: one target, no xq: x and x_up are the shared expert's gate and up rows and x_limit its
-// SwiGLU limit, quantized by each block in shared memory) in one launch. moe_down: the routed down products
-// (pair_experts set, no xq), each block quantizing its pair's hidden row x itself.
-bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner,
-                                 int64_t shared_inner);
+// down projection of each of shared.n tokens (`shared`: one target, no xq: x and x_up are the shared expert's gate
+// and up rows and x_limit its SwiGLU limit, quantized by each block in shared memory) in one launch. moe_down: the
+// routed down products (pair_experts set, no xq), each block quantizing its pair's hidden row x itself.
+bool moe_ffn_fused_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner, int64_t shared_inner);
 void moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s);
 void moe_down(MatvecArgs a, int pairs, cudaStream_t s);
 

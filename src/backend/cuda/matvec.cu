@@ -1103,15 +1103,18 @@ void ring_matvec(const MatvecArgs & a, cudaStream_t s) {
     }
 }
 
-// One token's IQ2_XXS routed gate/up products and the shared expert's Q8_0 down projection in one launch
-// (moe_shared). Blocks of grid row 0 run the shared rows; row y > 0 runs routed pair y - 1 as matvec_kernel would.
-// A shared block quantizes swiglu(gate, up) into shared memory itself (2 KB of codes for V4's 2048-wide rows), so
-// its input needs no launch of its own either. At most 64 registers, as the routed product's own kernel: the two
-// bodies together took 74, which left 3 blocks per multiprocessor instead of 4 and the routed pairs a third round.
+// A decode step's IQ2_XXS routed gate/up products and the shared expert's Q8_0 down projection in one launch
+// (moe_shared), for each of shared.n tokens. Grid rows [0, shared.n) run token y's shared rows; row y >= shared.n
+// runs routed pair y - shared.n as matvec_kernel would (pair p of token p / k). A shared block quantizes its token's
+// swiglu(gate, up) into shared memory itself (2 KB of codes for V4's 2048-wide rows), so its input needs no launch
+// of its own either; the tokens' shared rows read one matrix, whose bytes the blocks of the later tokens find in L2.
+// At most 64 registers, as the routed product's own kernel: the two bodies together took 74, which left 3 blocks
+// per multiprocessor instead of 4 and the routed pairs a third round.
 __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArgs routed, const MatvecArgs shared) {
     extern __shared__ __align__(16) uint8_t smem[];
-    const int bx = int(blockIdx.x);
-    if (blockIdx.y == 0) {
+    const int bx = int(blockIdx.x), n_shared = int(shared.n);
+    if (int(blockIdx.y) < n_shared) {
+        const int token = int(blockIdx.y);
         const MatvecTarget & t = shared.t[0];
         if (bx >= t.blocks) return;
         const int64_t rows_per_block = int64_t(kWarps / shared.split) * kRowsPerWarp,
@@ -1119,12 +1122,14 @@ __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArg
         if (row0 < t.rows) prefetch_weight_rows(t.w, row0, min(rows_per_block, t.rows - row0));
         pdl_begin();
         const int k = int(t.w.ne0);
-        const ActSource src{shared.x, shared.x_up, shared.x_limit};
+        const int64_t off = int64_t(token) * shared.x_stride;
+        const ActSource src{shared.x + off, shared.x_up + off, shared.x_limit};
         for (int b = int(threadIdx.x >> 5); b < k / 32; b += kWarps) quantize_block_q8a(src, b, k, smem);
         __syncthreads();
         Tile<1> tile;
         tile.n_tok = 1;
-        tile.src[0] = tile.dst[0] = 0;
+        tile.src[0] = 0;  // the block's activation row is the only one at smem
+        tile.dst[0] = token;
         quant_rows<Q8_0Unit, 1, false>(shared, t, tile, bx, smem, smem);
         return;
     }
@@ -1132,11 +1137,11 @@ __global__ void __launch_bounds__(kThreads, 4) moe_shared_kernel(const MatvecArg
     if (bx >= t.blocks) return;
     pdl_begin();
     Tile<1> tile;
-    if (!load_tile(routed, t, tile, int(blockIdx.y) - 1)) return;
+    if (!load_tile(routed, t, tile, int(blockIdx.y) - n_shared)) return;
     quant_rows<Iq2XxsUnit, 1, true>(routed, t, tile, bx, smem, routed.xq[int(Act::q8k)]);
 }
 
-// One token's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
+// A decode step's Q2_K routed down products (moe_ffn), each block quantizing its pair's hidden row (Q8_K, 8 blocks of
 // 256 for V4's 2048-wide rows, a warp each) into shared memory first: no quantize launch between gate/up and down.
 // Its blocks pull their expert's rows into L2 before the wait (moe_shared before it leaves about two thirds of the
 // DRAM bandwidth idle): the router, two launches back, has usually written the expert ids by the time moe_down starts.
@@ -1511,8 +1516,7 @@ void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) 
     for_each_weight_type(args, [&](const MatvecArgs & sub) { launch_set(sub, max_tiles, nt, false, s); });
 }
 
-bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner,
-                                 int64_t shared_inner) {
+bool moe_ffn_fused_supported(GgmlType gate, GgmlType down, GgmlType shared_down, int64_t inner, int64_t shared_inner) {
     return gate == GgmlType::IQ2_XXS && down == GgmlType::Q2_K && shared_down == GgmlType::Q8_0 && inner % 256 == 0 &&
            shared_inner % 32 == 0 && act_row_bytes(Act::q8k, inner) <= 48 * 1024 &&
            act_row_bytes(Act::q8a, shared_inner) <= 48 * 1024;
@@ -1521,14 +1525,15 @@ bool moe_ffn_one_token_supported(GgmlType gate, GgmlType down, GgmlType shared_d
 // Every block resident at once, as launch_kernel sizes a decode step's experts.
 void moe_shared(MatvecArgs routed, int pairs, MatvecArgs shared, cudaStream_t s) {
     const size_t smem = size_t(act_row_bytes(Act::q8a, shared.t[0].w.ne0));
-    // Each part splits its rows as its own launch would (so its sums are the same); the shared rows take one block
-    // per multiprocessor (each loops over its row groups; 66 ran as fast, 33 made them the launch's tail), the
-    // routed pairs the fewest rounds of row groups that fit beside them.
+    // Each part splits its rows as its own launch would (so its sums are the same); the shared rows take about one
+    // block per multiprocessor over all tokens (each loops over its row groups; 66 ran as fast as 132 for one token,
+    // 33 made them the launch's tail), the routed pairs the fewest rounds of row groups that fit beside them.
     routed.split = launch_split(routed, true, pairs, 1);
     shared.split = launch_split(shared, true, 1, 1);
-    shared.t[0].blocks = int(std::min<int64_t>(row_blocks(shared.t[0].rows, shared.split), device_sms()));
-    size_pairs(routed.t[0], routed.split, pairs, blocks_per_sm<moe_shared_kernel>(smem), shared.t[0].blocks);
-    const dim3 grid(unsigned(std::max(routed.t[0].blocks, shared.t[0].blocks)), unsigned(pairs + 1));
+    const int64_t per_token = (device_sms() + shared.n - 1) / shared.n;
+    shared.t[0].blocks = int(std::min<int64_t>(row_blocks(shared.t[0].rows, shared.split), per_token));
+    size_pairs(routed.t[0], routed.split, pairs, blocks_per_sm<moe_shared_kernel>(smem), shared.t[0].blocks * shared.n);
+    const dim3 grid(unsigned(std::max(routed.t[0].blocks, shared.t[0].blocks)), unsigned(pairs + shared.n));
     launch(moe_shared_kernel, grid, dim3(kThreads), smem, s, routed, shared);
 }
 
