@@ -53,10 +53,7 @@ struct Model::Workspace {
     Tensor sh_gate;    // F32 [n, I]
     Tensor sh_up;      // F32 [n, I]
     Tensor logits;     // F32 [min(n, kHeadRows), V]
-    Tensor candidates;   // [2k + 4] 32-bit words: the three views below, k = min(kSampleCandidates, V)
-    Tensor cand_ids;     // I32 [k]: sampling candidates (logit_candidates)
-    Tensor cand_values;  // F32 [k]
-    Tensor cand_stats;   // F32 [4]: max, log-sum, count, argmax
+    Tensor candidates;  // 32-bit words [min(n, kHeadRows), 2k + 4]: candidate_rows' views, k = n_candidates
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
     Tensor frontier_backup;  // F32 [frontier_bytes / 4]: a state's frontiers before a chunk that may stop
 
@@ -96,18 +93,27 @@ struct Model::Workspace {
         sh_gate = make(GgmlType::F32, n, c.expert_ff);
         sh_up = make(GgmlType::F32, n, c.expert_ff);
         logits = make(GgmlType::F32, std::min(n, kHeadRows), c.n_vocab);
-        // The candidates share one buffer so that one read brings them to the host.
-        const int64_t k = std::min(kSampleCandidates, c.n_vocab);
-        candidates = make(GgmlType::F32, 1, 2 * k + 4);
-        float * base = candidates.f32();
-        cand_ids = make_tensor(GgmlType::I32, base, k);
-        cand_values = make_tensor(GgmlType::F32, base ? base + k : nullptr, k);
-        cand_stats = make_tensor(GgmlType::F32, base ? base + 2 * k : nullptr, 4);
+        n_cand = std::min(kSampleCandidates, c.n_vocab);
+        candidates = make(GgmlType::F32, std::min(n, kHeadRows), 2 * n_cand + 4);
         if (with_mtp_cat) mtp_cat = make(GgmlType::F32, n, 2 * D, c.hc);
         frontier_backup = make(GgmlType::F32, 1, std::max<int64_t>(int64_t(plan_kv(c, 1, 1).frontier_bytes / 4), 1));
     }
 
     uint64_t bytes = 0;
+    int64_t n_cand = 0;  // candidates a row: min(kSampleCandidates, V)
+
+    // The sampling candidates of `rows` rows (logit_candidates), packed at the start of one buffer so that one read
+    // brings them all to the host: ids I32 [rows, k], then values F32 [rows, k], then stats F32 [rows, 4] (max,
+    // log-sum, count, argmax).
+    struct CandidateRows {
+        Tensor ids, values, stats;
+    };
+    CandidateRows candidate_rows(int64_t rows) const {
+        float * base = candidates.f32();
+        return {make_tensor(GgmlType::I32, base, n_cand, rows),
+                make_tensor(GgmlType::F32, base + rows * n_cand, n_cand, rows),
+                make_tensor(GgmlType::F32, base + 2 * rows * n_cand, 4, rows)};
+    }
 
   private:
     // A tensor [ne0, ne1, ne2, n_rows]; the token axis is always the outermost (ne[3]).
@@ -267,13 +273,14 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
             // One row (a decode step, a prompt's end): straight into the state's copy, and the sampler's candidates
             // from it, inside a decode step's graph rather than launches after it.
             run_head(0, 1, state.last_logits());
-            b.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
+            const Workspace::CandidateRows cand = w.candidate_rows(1);
+            b.logit_candidates(state.last_logits(), cand.ids, cand.values, cand.stats);
         } else if (rows > 0 && rows <= head_rows) {
             run_head(0, rows, first(w.logits, rows));
             b.copy(state.last_logits(), w.logits, row_bytes, 0, size_t(rows - 1) * row_bytes);
         }
     };
-    candidates_of_ = nullptr;
+    forget_candidates();
     // A decode step is the same op sequence at every position of a state below one context bound: a device backend
     // replays a capture per state, logits mode and bound.
     if (n == 1 && !trace_)
@@ -288,7 +295,7 @@ bool Model::eval_chunk(KvState & state, const int32_t * tokens, int64_t n, Logit
         return false;
     }
     state.set_n_past(pos0 + n);
-    if (rows == 1) candidates_of_ = &state;
+    if (rows == 1) candidates_of_ = {&state};
     if (rows == 0) return true;
     if (rows <= head_rows) {
         if (logits) b.read(rows == 1 ? state.last_logits() : first(w.logits, rows), logits, size_t(rows) * row_bytes);
@@ -344,7 +351,7 @@ void Model::decode_batch(std::span<KvState * const> states, std::span<const int3
     Backend & b = backend_;
     b.write(first(w.tokens, n), tokens.data(), size_t(n) * sizeof(int32_t));
     write_positions(runs, n);
-    candidates_of_ = nullptr;
+    forget_candidates();
     auto body = [&] {
         trunk(runs, n, {});
         Tensor logits = first(w.logits, n);
@@ -353,6 +360,11 @@ void Model::decode_batch(std::span<KvState * const> states, std::span<const int3
         const size_t row_bytes = size_t(config_.n_vocab) * sizeof(float);
         for (int64_t i = 0; i < n; ++i)
             b.copy(states[size_t(i)]->last_logits(), logits, row_bytes, 0, size_t(i) * row_bytes);
+        // Every row's sampling candidates inside the step, as a single step computes its own: asked for one row at a
+        // time afterwards, each was three launches and a read between steps (the batch's GPU then idled ~0.25 ms of
+        // a 4-stream step on an H100).
+        const Workspace::CandidateRows cand = w.candidate_rows(n);
+        b.logit_candidates(logits, cand.ids, cand.values, cand.stats);
     };
     // Like a single decode step, a batch is the same op sequence at every step while its states and their context
     // bounds stay the same (a server's streams decode together for hundreds of steps): a device backend replays a
@@ -368,21 +380,35 @@ void Model::decode_batch(std::span<KvState * const> states, std::span<const int3
         body();
     }
     for (KvState * s : states) s->set_n_past(s->n_past() + 1);
+    candidates_of_.assign(states.begin(), states.end());
     b.synchronize();
+}
+
+void Model::forget_candidates() {
+    candidates_of_.clear();
+    candidates_host_.clear();
 }
 
 void Model::logit_candidates(const KvState & state, int32_t * ids, float * values, float * stats) {
     Workspace & w = *ws_;
-    if (candidates_of_ != &state) {
-        backend_.logit_candidates(state.last_logits(), w.cand_ids, w.cand_values, w.cand_stats);
-        candidates_of_ = &state;
+    auto it = std::find(candidates_of_.begin(), candidates_of_.end(), &state);
+    if (it == candidates_of_.end()) {
+        const Workspace::CandidateRows cand = w.candidate_rows(1);
+        backend_.logit_candidates(state.last_logits(), cand.ids, cand.values, cand.stats);
+        forget_candidates();
+        candidates_of_ = {&state};
+        it = candidates_of_.begin();
     }
-    std::vector<float> all(size_t(w.candidates.ne[0]));
-    backend_.read(w.candidates, all.data(), all.size() * sizeof(float));
-    const size_t k = size_t(w.cand_ids.ne[0]);
-    std::memcpy(ids, all.data(), k * sizeof(int32_t));
-    std::memcpy(values, all.data() + k, k * sizeof(float));
-    std::memcpy(stats, all.data() + 2 * k, 4 * sizeof(float));
+    // The first state asked for brings every row's candidates to the host in one read; the others are then copies.
+    const size_t rows = candidates_of_.size(), row = size_t(it - candidates_of_.begin()), k = size_t(w.n_cand);
+    if (candidates_host_.empty()) {
+        candidates_host_.resize(rows * (2 * k + 4));
+        backend_.read(w.candidates, candidates_host_.data(), candidates_host_.size() * sizeof(float));
+    }
+    const float * all = candidates_host_.data();
+    std::memcpy(ids, all + row * k, k * sizeof(int32_t));
+    std::memcpy(values, all + rows * k + row * k, k * sizeof(float));
+    std::memcpy(stats, all + 2 * rows * k + row * 4, 4 * sizeof(float));
 }
 
 void Model::read_last_logits(const KvState & state, float * logits) {

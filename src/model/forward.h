@@ -106,7 +106,8 @@ class Model {
     // What a sampler draws from, instead of the row (backend logit_candidates over state.last_logits()): up to
     // kSampleCandidates ids ascending and their logits into ids and values [n_candidates()], and stats [4] = (max,
     // log Σ exp(l − max), number of candidates, lowest id holding the max). A few kilobytes cross to the host; an
-    // evaluation that ended with one row of logits has computed them already (inside a decode step's graph).
+    // evaluation that ended with one row of logits and a batched step have computed them already (inside the
+    // step's graph), and a batch's rows cross in one read.
     static constexpr int64_t kSampleCandidates = 1024;
     // Rows of logits the workspace holds: a chunk whose every row's logits are wanted (dump-logits, prompt logprobs)
     // runs the head in pieces of this many rows, each read out before the next. Sized for the chunk, the buffer
@@ -168,9 +169,12 @@ class Model {
     ModelWeights weights_;
     RopeSpec rope_[3];  // by LayerKind
     std::unique_ptr<Workspace> ws_;
-    // The state whose last row the workspace's candidates belong to: an evaluation that ends with one row of
-    // logits (every decode step) computes them in the same launch sequence, before the sampler asks.
-    const KvState * candidates_of_ = nullptr;
+    // The states whose last rows the workspace's candidates belong to, in row order: an evaluation that ends with
+    // one row of logits (every decode step) and a batched step compute them in the same launch sequence, before the
+    // sampler asks. candidates_host_: all of them once read (empty until the first state asks).
+    std::vector<const KvState *> candidates_of_;
+    std::vector<float> candidates_host_;
+    void forget_candidates();
     TraceFn trace_;
     int64_t layer_check_tokens_ = kLayerCheckTokens;
     int64_t indexer_branch_context_ = kIndexerBranchContext;

@@ -206,31 +206,10 @@ TEST_P(CudaModel, DecodeCandidatesAreTheStatesOwnRow) {
     const Fixture & f = fixture(name);
     Runner r(gguf(name, StorageMix::f32), cuda(), 4);
     Model & m = *r.model;
-    const int64_t V = m.config().n_vocab, k = m.n_candidates();
     const size_t n = std::min<size_t>(f.tokens.size(), 12);
     auto a = m.new_state(int64_t(n)), b = m.new_state(int64_t(n));
-    std::vector<float> row(static_cast<size_t>(V)), values(static_cast<size_t>(k));
-    std::vector<int32_t> ids(static_cast<size_t>(k));
-    float stats[4];
     auto check_own = [&](KvState & s, const char * what) {
-        m.logit_candidates(s, ids.data(), values.data(), stats);
-        m.read_last_logits(s, row.data());
-        const int64_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
-        ASSERT_EQ(stats[3], float(argmax)) << what << " at " << s.n_past();
-        ASSERT_EQ(stats[0], row[size_t(argmax)]) << what;
-        const int64_t count = int64_t(stats[2]);
-        ASSERT_GT(count, 0) << what;
-        float lowest = INFINITY;
-        for (int64_t j = 0; j < count; ++j) {
-            ASSERT_EQ(values[size_t(j)], row[size_t(ids[size_t(j)])]) << what << " candidate " << j;
-            if (j > 0) {
-                ASSERT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
-            }
-            lowest = std::min(lowest, values[size_t(j)]);
-        }
-        int64_t above = 0;  // logits at or above the lowest candidate: exactly the candidates
-        for (float x : row) above += x >= lowest;
-        ASSERT_EQ(above, count) << what;
+        oracle::expect_candidates_of_row(m, s, std::string(what) + " at " + std::to_string(s.n_past()));
     };
     for (size_t i = 0; i < n; ++i) {
         m.eval(*a, std::span<const int32_t>(f.tokens).subspan(i, 1), LogitsMode::last, nullptr);
@@ -243,7 +222,7 @@ TEST_P(CudaModel, DecodeCandidatesAreTheStatesOwnRow) {
 
 // A batched decode step on the GPU: three sequences of different prompts and depths stepped together (one sitting
 // out every fifth step) against the CPU's batched steps, which equal its single steps bit for bit (oracle_test);
-// then each state's candidates, which a batch leaves to be computed when asked.
+// then each state's candidates (computed inside the batch's graph, read in one copy), asked for in reverse order.
 TEST_P(CudaModel, BatchedDecodeMatchesCpu) {
     const std::string name = GetParam();
     const Fixture & f = fixture(name);
@@ -258,9 +237,7 @@ TEST_P(CudaModel, BatchedDecodeMatchesCpu) {
         c.model->eval(*cs[i], seq.prompt(i), LogitsMode::none, nullptr);
     }
     std::vector<float> got, want;
-    std::vector<float> row(static_cast<size_t>(V)), values(static_cast<size_t>(g.model->n_candidates()));
-    std::vector<int32_t> ids(values.size());
-    float stats[4];
+    std::vector<float> row(static_cast<size_t>(V));
     for (int step = 0; seq.depth[0] + step < n; ++step) {
         std::vector<KvState *> gb, cb;
         std::vector<int32_t> tokens;
@@ -272,12 +249,12 @@ TEST_P(CudaModel, BatchedDecodeMatchesCpu) {
         }
         g.model->decode_batch(gb, tokens);
         c.model->decode_batch(cb, tokens);
+        for (size_t j = gb.size(); j-- > 0;)
+            oracle::expect_candidates_of_row(*g.model, *gb[j],
+                                             "state " + std::to_string(j) + " at " + std::to_string(gb[j]->n_past()));
         for (size_t j = 0; j < gb.size(); ++j) {
             g.model->read_last_logits(*gb[j], row.data());
             got.insert(got.end(), row.begin(), row.end());
-            g.model->logit_candidates(*gb[j], ids.data(), values.data(), stats);
-            const int64_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
-            ASSERT_EQ(stats[3], float(argmax)) << "state " << j << " at " << gb[j]->n_past();
             c.model->read_last_logits(*cb[j], row.data());
             want.insert(want.end(), row.begin(), row.end());
         }

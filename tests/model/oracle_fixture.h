@@ -189,4 +189,35 @@ struct BatchSequences {
     bool steps(int i, int step, int64_t n_past) const { return n_past < n && !(i == 1 && step % 5 == 2); }
 };
 
+// A state's sampling candidates (Model::logit_candidates) against its last row: the max and the argmax, ids
+// ascending with their own logits, and exactly the logits at or above the lowest candidate. The candidates are
+// returned (ids, then values, then stats as floats).
+inline std::vector<float> expect_candidates_of_row(Model & m, const KvState & s, const std::string & what) {
+    const int64_t k = m.n_candidates();
+    std::vector<float> row(static_cast<size_t>(m.config().n_vocab)), values(static_cast<size_t>(k));
+    std::vector<int32_t> ids(static_cast<size_t>(k));
+    float stats[4];
+    m.logit_candidates(s, ids.data(), values.data(), stats);
+    m.read_last_logits(s, row.data());
+    const int64_t argmax = std::max_element(row.begin(), row.end()) - row.begin();
+    EXPECT_EQ(stats[3], float(argmax)) << what;
+    EXPECT_EQ(stats[0], row[size_t(argmax)]) << what;
+    const int64_t count = int64_t(stats[2]);
+    EXPECT_GT(count, 0) << what;
+    float lowest = INFINITY;
+    for (int64_t j = 0; j < count && j < k; ++j) {
+        EXPECT_EQ(values[size_t(j)], row[size_t(ids[size_t(j)])]) << what << " candidate " << j;
+        if (j > 0) EXPECT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+        lowest = std::min(lowest, values[size_t(j)]);
+    }
+    int64_t above = 0;  // logits at or above the lowest candidate: exactly the candidates
+    for (float x : row) above += x >= lowest;
+    EXPECT_EQ(above, count) << what;
+    std::vector<float> out(ids.size());
+    std::memcpy(out.data(), ids.data(), ids.size() * sizeof(int32_t));
+    out.insert(out.end(), values.begin(), values.end());
+    out.insert(out.end(), stats, stats + 4);
+    return out;
+}
+
 }  // namespace dsv4::oracle

@@ -141,7 +141,8 @@ TEST_P(Oracle, ChunkStoppedBetweenLayersIsUndone) {
         << "the logits after the stopped chunk differ from the uninterrupted run's";
 }
 
-// A batched decode step gives every sequence the logits it gets decoding alone, bit for bit on the CPU: three
+// A batched decode step gives every sequence the logits and sampling candidates it gets decoding alone, bit for bit
+// on the CPU: three
 // sequences of different prompts and depths (so their compressors, indexers and rings are at different points),
 // stepped together, with one leaving and rejoining the batch, in both numerics; the one that decodes the fixture's
 // own tokens then also matches the oracle.
@@ -174,6 +175,19 @@ TEST_P(Oracle, BatchedDecodeMatchesEachSequenceAlone) {
                 m.eval(*alone[i], {&one, 1}, LogitsMode::last, nullptr);
             }
             m.decode_batch(states, tokens);
+            // Each state's candidates, computed by the step for all its rows, asked for in reverse order: those of
+            // the same state decoded alone, bit for bit.
+            std::vector<std::vector<float>> batch_candidates;
+            for (size_t j = states.size(); j-- > 0;)
+                batch_candidates.push_back(oracle::expect_candidates_of_row(m, *states[j], "batched"));
+            for (size_t j = states.size(); j-- > 0;) {
+                const int i = int(std::find_if(std::begin(batched), std::end(batched),
+                                               [&](const auto & b) { return b.get() == states[j]; }) -
+                                  std::begin(batched));
+                EXPECT_EQ(batch_candidates[states.size() - 1 - j],
+                          oracle::expect_candidates_of_row(m, *alone[i], "alone"))
+                    << GetParam() << ": sequence " << i << "'s candidates at " << states[j]->n_past() - 1;
+            }
             for (KvState * s : states) {
                 const int i = int(
                     std::find_if(std::begin(batched), std::end(batched), [&](const auto & b) { return b.get() == s; }) -
