@@ -89,9 +89,9 @@ constexpr int kCandidateBins = 1024;      // over 32 nats below the maximum
 // One tensor of norm_rope.
 struct NormRopeTarget {
     Tensor x;              // F32 [n, heads, width], in place
-    Tensor gamma;          // F32 [width], or none
+    Tensor gamma = {};     // F32 [width], or none
     int64_t fp8_dims = 0;  // FP8 round trip of channels [0, fp8_dims) after the rotation
-    Tensor ring;           // [ring_rows, heads·width], or none
+    Tensor ring = {};      // [ring_rows, heads·width], or none
 };
 
 struct MatmulTarget {
