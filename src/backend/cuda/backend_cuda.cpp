@@ -1631,20 +1631,19 @@ uint64_t cuda_scratch_bytes(const CudaScratchShape & s) {
     const uint64_t dense =
         uint64_t(s.n_ubatch * s.n_head * s.head_dim) * 2 + 256 +
         (s.n_ubatch >= kCublasMinTokens ? uint64_t(std::min(s.dense_weight, kCublasMaxWeight)) * 2 : 0);
-    const uint64_t rows = s.min_ratio > 0 ? uint64_t(s.n_ctx / s.min_ratio) : 0;
-    // indexer_select's scratch; top_k 1: a larger k can only turn the decode top-k's split (its candidates) off.
-    const uint64_t idx = rows > 0 ? indexer_op_scratch(std::max<int64_t>(s.n_ubatch, 1), int64_t(rows), 1) : 0;
+    const int64_t rows = s.min_ratio > 0 ? s.n_ctx / s.min_ratio : 0;
+    // indexer_select's scratch for n tokens; top_k 1: a larger k can only turn the decode top-k's split (its
+    // candidates) off.
+    auto idx_of = [&](int64_t n) { return rows > 0 ? uint64_t(indexer_op_scratch(n, rows, 1)) : 0; };
     // Attention splits only when few tokens fill the GPU: at most 64 splits of every head of 32 tokens.
-    const uint64_t attn = uint64_t(std::min<int64_t>(s.n_ubatch, 32) * s.n_head * 64 * (s.head_dim + 2)) * f;
+    auto attn_of = [&](int64_t n) { return uint64_t(std::min<int64_t>(n, 32) * s.n_head * 64 * (s.head_dim + 2)) * f; };
+    const uint64_t idx = idx_of(std::max<int64_t>(s.n_ubatch, 1)), attn = attn_of(s.n_ubatch);
     // A branch's arena (decode steps): the indexer's scratch and its query product's activation codes (its input,
     // the low-rank query, is narrower than the embedding).
     const int64_t branch_tokens = std::min(std::max<int64_t>(s.n_ubatch, 1), kBranchMaxTokens);
-    const uint64_t branch =
-        rows > 0 ? indexer_op_scratch(branch_tokens, int64_t(rows), 1) + uint64_t(branch_tokens * s.n_embd) * 2 + 4096
-                 : 0;
+    const uint64_t branch = rows > 0 ? idx_of(branch_tokens) + uint64_t(branch_tokens * s.n_embd) * 2 + 4096 : 0;
     // A batched step's lanes (one a sequence, at most kMaxLanes): one token's attention partials or indexer scratch.
-    const uint64_t lane = std::max(rows > 0 ? uint64_t(indexer_op_scratch(1, int64_t(rows), 1)) : 0,
-                                   uint64_t(s.n_head * 64 * (s.head_dim + 2)) * f);
+    const uint64_t lane = std::max(idx_of(1), attn_of(1));
     const uint64_t lanes = s.lanes > 1 ? uint64_t(std::min<int64_t>(s.lanes, kMaxLanes)) * lane : 0;
     // The arena holds one op's scratch at a time; the branch's and the lanes' arenas and the upload staging stay
     // allocated beside it.
