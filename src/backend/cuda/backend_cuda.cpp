@@ -1499,8 +1499,8 @@ class CudaBackend final : public Backend {
     int lanes_open_ = 0;                  // lane streams of the open lanes
     bool in_lanes_ = false;               // between begin_lanes and end_lanes
     bool lanes_enabled_ = true;           // DSV4_CUDA_LANES
-    bool ring_enabled_ = true;         // DSV4_CUDA_RING: one token's large products on the ring kernel (matvec.cu)
-    cublasHandle_t cublas_ = nullptr;  // created at the first product on cuBLAS
+    bool ring_enabled_ = true;            // DSV4_CUDA_RING: one token's large products on the ring kernel (matvec.cu)
+    cublasHandle_t cublas_ = nullptr;     // created at the first product on cuBLAS
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;
     // Off by default: on the synthetic files the experts' f16 copies cost about what cuBLAS's products save over the
