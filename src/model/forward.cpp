@@ -53,7 +53,7 @@ struct Model::Workspace {
     Tensor sh_gate;    // F32 [n, I]
     Tensor sh_up;      // F32 [n, I]
     Tensor logits;     // F32 [min(n, kHeadRows), V]
-    Tensor candidates;  // 32-bit words [min(n, kHeadRows), 2k + 4]: candidate_rows' views, k = n_candidates
+    Tensor candidates; // 32-bit words [min(n, kHeadRows), 2k + 4]: candidate_rows' views, k = n_candidates
     Tensor mtp_cat;    // F32 [n, hc, 2D]: [enorm(E[x]); hnorm(H_h)] for llama.cpp's fused MTP projection
     Tensor frontier_backup;  // F32 [frontier_bytes / 4]: a state's frontiers before a chunk that may stop
 
