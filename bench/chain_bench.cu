@@ -1,7 +1,7 @@
 // dsv4-chain-bench: a layer's dense one-token Q8_0 products (q_a + kv, q_b, o_a, o_b, the shared gate/up and down
 // of DeepSeek V4 Flash, 140.4 MB) as one resident kernel, against the same products as one launch each. It measures
-// the second milestone of docs/cuda.md's "Not done": whether dependent products streamed one after another inside
-// one kernel, with no launch between them, reach the rate a product's streaming phase runs at alone (~4.17 TB/s,
+// the second milestone of docs/cuda.md's "What 70 % needs": whether dependent products streamed one after another
+// inside one kernel, with no launch between them, reach the rate a product's streaming phase runs at alone (~4.17 TB/s,
 // "Session 47"), and how many grid-wide dependent steps between products that stream hides.
 //
 // The kernel: one block a multiprocessor, sixteen consumer warps and one producer warp. The producer copies the

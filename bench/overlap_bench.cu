@@ -1,6 +1,6 @@
 // dsv4-overlap-bench: what a big decode product costs after a chain of small dependent steps, run the way dsv4 runs
 // it (the chain's kernels, then the product, one graph with programmatic dependent launch: the product's weights
-// stream only once the chain is done) and the way the persistent-kernel plan of docs/cuda.md ("Not done") would
+// stream only once the chain is done) and the way the persistent-kernel plan of docs/cuda.md ("What 70 % needs") would
 // (the product's blocks resident on a second stream from the chain's start, pulling their weights into shared memory
 // while the chain runs and polling a count that the chain's last step raises). It measures the premise of that plan:
 // how much of a product's time the idle DRAM of an attention chain can absorb.

@@ -1,5 +1,5 @@
 // dsv4-stream-bench: how fast one launch reads N MB of weights that are not in L2, by the two ways a decode product
-// can stream them (docs/cuda.md, "Decode, session 13"):
+// can stream them (docs/cuda-journal.md, "Decode, session 13"):
 //   ldg  every thread loads 16-byte chunks into registers (the row-group kernel's way), grid-stride, 4 steps unrolled;
 //   tma  a block per multiprocessor (or two) owns a contiguous range and one thread keeps S stages of B bytes in
 //        flight with cp.async.bulk copies into shared memory, their arrival counted on mbarriers (the stream kernel's

@@ -1,8 +1,8 @@
 // dsv4-sync-bench: what one dependent step of a decode chain costs when the steps are kernels (as dsv4 runs them: a
 // captured graph, with or without programmatic dependent launch) and when they are phases of one resident kernel
-// separated by grid barriers (the persistent-kernel plan of docs/cuda.md, "Not done"). Every step of every variant
-// does the same work: each block reads `bytes` of a buffer larger than L2 (cold weights) and one value that another
-// block wrote in the step before (the dependency), and writes one value for the next step. One block a
+// separated by grid barriers (the persistent-kernel plan of docs/cuda.md, "What 70 % needs"). Every step of every
+// variant does the same work: each block reads `bytes` of a buffer larger than L2 (cold weights) and one value that
+// another block wrote in the step before (the dependency), and writes one value for the next step. One block a
 // multiprocessor. Usage: dsv4-sync-bench [steps] (default 2000); prints µs a step for 0, 16 KB and 64 KB a block.
 // Then a timeline of how far ahead programmatic dependent launch lets a chain's kernels in: one kernel that spins for
 // 40 µs after its wait, followed by kernels that spin for 0 or 2 µs, each of every kernel's blocks releasing its
@@ -11,8 +11,8 @@
 // with every kernel preferring the largest shared-memory carveout. Last, which blocks start beside another kernel's
 // resident blocks: a kernel shaped like the ring kernel (a block a multiprocessor, 544 threads of ~75 registers, no
 // or 205 KB of shared memory) spins for 40 µs and is followed by 16 blocks of 256 threads and 13 KB (the decode
-// boundary's shape) of 17, 48 or 72 registers, as plain blocks or as one cluster of 16 (docs/cuda.md, "Session 53":
-// a block's warps are dealt over the multiprocessor's four register files, so the fullest file decides).
+// boundary's shape) of 17, 48 or 72 registers, as plain blocks or as one cluster of 16 (docs/cuda-journal.md, "Session
+// 53": a block's warps are dealt over the multiprocessor's four register files, so the fullest file decides).
 #include "bench_cuda.cuh"
 
 #include <cstdint>

@@ -1,6 +1,7 @@
-// libdsv4_ktrace.so: a kernel timeline of any CUDA program, for decode-step attribution (docs/cuda.md, "Where a
-// decode step's time goes"). Preloaded (LD_PRELOAD), it asks CUPTI for every kernel's and memory copy's GPU start
-// and end, graph nodes included, and appends one line per record to $DSV4_KTRACE (default /tmp/dsv4-ktrace.txt)
+// libdsv4_ktrace.so: a kernel timeline of any CUDA program, for decode-step attribution (docs/cuda.md, "Kernel
+// timelines"; its first use: docs/cuda-journal.md, "Decode, session 10"). Preloaded (LD_PRELOAD), it asks CUPTI
+// for every kernel's and memory copy's GPU start and end, graph nodes included, and appends one line per record to
+// $DSV4_KTRACE (default /tmp/dsv4-ktrace.txt)
 // as CUPTI hands over its buffers (the last at exit):
 //   start_ns end_ns graph_id grid_x grid_y graph_node_id demangled-name
 // A copy's line has grid 0 0 and the name "memcpy DIRECTION BYTES" (HtoD, DtoH, DtoD, other).

@@ -145,7 +145,7 @@ Tensor first(const Tensor & t, int64_t n) { return token_rows(t, 0, n); }
 // tokens). Attention and the indexer get a state's compressed rows and indexer keys up to this bound, not up to
 // its capacity: a GPU's decode grids and kernel choices follow the rows they are given (the indexer's slices and
 // split top-k, the HCA attention's tiles), and a state holding 1M tokens decoded ~8 % slower at 2K than one holding
-// the depth (docs/cuda.md, "Session 38"). A decode step's graph is captured once per bound.
+// the depth (docs/cuda-journal.md, "Session 38"). A decode step's graph is captured once per bound.
 int64_t context_bound(int64_t end) { return std::max<int64_t>(4096, int64_t(std::bit_ceil(uint64_t(end)))); }
 
 // The first rows of a compressed store that a context of `bound` tokens can see at ratio R.

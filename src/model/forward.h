@@ -73,12 +73,13 @@ class Model {
     // A whole chunk of 16384 would keep a cancelled request on a GB10 for a projected 15-30 s, a layer of it well
     // under one. A check costs a synchronize (the device idles while the next layer's first ops are issued), which
     // no prefill measured on the H200 shows: chunks of 512, 2048 and 16384 within 0.4 % with and without checks
-    // (docs/cuda.md, "Session 28"). A shorter chunk runs whole: under 0.3 s on the H200 for the real model.
+    // (docs/cuda-journal.md, "Session 28"). A shorter chunk runs whole: under 0.3 s on the H200 for the real model.
     static constexpr int64_t kLayerCheckTokens = 512;
     // A CSA layer's indexer runs as a branch beside the query's product (Backend::begin_branch) once the context
     // bound reaches this many tokens (tests lower it). On the H200 the branch saved 13-31 µs an 8-layer step at
     // bounds of 8K to 32K (contexts from 4097 tokens); at the smallest bound, 4K, it was ahead in one call and behind
-    // in another: the indexer's chain is short there and q_b streams slower beside it (docs/cuda.md, "Session 41").
+    // in another: the indexer's chain is short there and q_b streams slower beside it (docs/cuda-journal.md, "Session
+    // 41").
     void set_indexer_branch_context(int64_t n) { indexer_branch_context_ = n; }
     static constexpr int64_t kIndexerBranchContext = 8192;
 

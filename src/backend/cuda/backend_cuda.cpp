@@ -68,8 +68,8 @@ constexpr int64_t kCublasMinTokens = 1024;
 constexpr int64_t kCublasMaxWeight = int64_t(64) << 20;
 // A prefill chunk's routed experts on cuBLAS (CudaBackend::moe_cublas): from this many pairs an expert on average
 // (a chunk of 10923 tokens of V4 Flash: at 192, a chunk of 8192, the synthetic files' top-k layers measured 5 %
-// slower than on the tiles; docs/cuda.md, "Session 31"), their f16 weights decoded into two buffers of this many bytes
-// (16 experts' gate and up of V4 Flash each).
+// slower than on the tiles; docs/cuda-journal.md, "Session 31"), their f16 weights decoded into two buffers of this
+// many bytes (16 experts' gate and up of V4 Flash each).
 constexpr int64_t kMoeCublasMinPairs = 256;
 constexpr int64_t kMoeCublasWeightBytes = int64_t(512) << 20;
 // FFN sublayers of up to this many tokens (a batch of decode steps) run moe_ffn's fused path, a one-token product
@@ -138,7 +138,7 @@ class CudaBackend final : public Backend {
         check(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming), "cudaEventCreate(side)");
         // The branch's kernels take precedence: when a product's blocks fill the machine, the multiprocessors they
         // free go to the branch's chain first (at the default priority the 8-layer decode step at 32K was 9 µs
-        // slower: docs/cuda.md, "Session 40").
+        // slower: docs/cuda-journal.md, "Session 40").
         int least = 0, greatest = 0;
         check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
         check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate(branch)");
@@ -850,11 +850,11 @@ class CudaBackend final : public Backend {
     // pairs an expert on average (DSV4_CUDA_MOE_CUBLAS_MIN_PAIRS moves it): each expert's gate and up decoded
     // to one f16 [2I][D] matrix and its down to [D][I], the values the tiles decode, a batch of experts at a time
     // on side_ into two buffers in turn while stream_ multiplies the batch before. cuBLAS has no grouped f16 × f16
-    // → f32 product, and a product an expert cost 0.1–1 ms of host time at each new token count (docs/cuda.md,
-    // "Session 30"), so the pairs are laid out in slots of one token count (a quarter above the mean an expert,
-    // rounded up to 32): an expert's rows fill as many consecutive slots as they need, and a batch's slots run as
-    // one batched product of that one shape (a hot expert is several slots of the same weight). It reads the
-    // experts' pair counts on the host (one wait a layer) and writes every used expert's f16 weights once a chunk
+    // → f32 product, and a product an expert cost 0.1–1 ms of host time at each new token count
+    // (docs/cuda-journal.md, "Session 30"), so the pairs are laid out in slots of one token count (a quarter above the
+    // mean an expert, rounded up to 32): an expert's rows fill as many consecutive slots as they need, and a batch's
+    // slots run as one batched product of that one shape (a hot expert is several slots of the same weight). It reads
+    // the experts' pair counts on the host (one wait a layer) and writes every used expert's f16 weights once a chunk
     // (12.9 GB a V4 Flash layer): never on an integrated GPU, whose bandwidth makes that write cost more than the
     // tiles' products.
     bool moe_on_cublas(const Tensor & gate, const Tensor & down, int64_t n_pairs) const {
@@ -1295,9 +1295,9 @@ class CudaBackend final : public Backend {
     }
 
     // Dense prefill products of at least kCublasMinTokens tokens run on cuBLAS (no expert tiles, no SwiGLU of the
-    // outputs): the same f16 terms as the tiles, and an 8K prompt's prefill 21 % faster on an H200 (docs/cuda.md,
-    // "Session 29"). DSV4_CUDA_CUBLAS=0 keeps every product on the tiles; DSV4_CUDA_CUBLAS_MIN_TOKENS moves the
-    // threshold (the tests run the small products' cases through cuBLAS).
+    // outputs): the same f16 terms as the tiles, and an 8K prompt's prefill 21 % faster on an H200
+    // (docs/cuda-journal.md, "Session 29"). DSV4_CUDA_CUBLAS=0 keeps every product on the tiles;
+    // DSV4_CUDA_CUBLAS_MIN_TOKENS moves the threshold (the tests run the small products' cases through cuBLAS).
     bool dense_on_cublas(const cuda::MatvecArgs & a) const {
         // Never inside a capture (decode's graphs): the handle and the arena may not be made there.
         if (!cublas_enabled_ || capturing_ || a.tiles || a.pair_experts || a.glu || a.n < cublas_min_tokens_)
@@ -1420,7 +1420,7 @@ class CudaBackend final : public Backend {
 
     // A chunk of a weight from the mapped file into pinned staging, by several threads: from the page cache (a
     // model loaded again) one thread copied 6.4 GB/s on the H200's host, eight 26-29 GB/s, about what the host link
-    // takes; from a cold file the disk bounds either (docs/cuda.md, "Session 38").
+    // takes; from a cold file the disk bounds either (docs/cuda-journal.md, "Session 38").
     void copy_to_staging(uint8_t * pinned, const uint8_t * src, size_t n) {
         if (!upload_pool_) upload_pool_ = std::make_unique<ThreadPool>(upload_threads_);
         upload_pool_->parallel_for(n, size_t(1) << 20, [&](size_t begin, size_t end, int) {
@@ -1504,7 +1504,7 @@ class CudaBackend final : public Backend {
     bool cublas_enabled_ = true;
     int64_t cublas_min_tokens_ = kCublasMinTokens;
     // Off by default: on the synthetic files the experts' f16 copies cost about what cuBLAS's products save over the
-    // tiles, and the 43-layer extrapolation does not gain (docs/cuda.md, "Session 31").
+    // tiles, and the 43-layer extrapolation does not gain (docs/cuda-journal.md, "Session 31").
     bool moe_cublas_enabled_ = false;
     int64_t moe_cublas_min_pairs_ = kMoeCublasMinPairs;
     int64_t moe_cublas_batch_ = INT64_MAX;  // experts a batch at most (tests: several batches of small experts)

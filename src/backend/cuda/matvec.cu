@@ -806,8 +806,8 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(const MatvecArgs a) {
 // block stores its rows at the end. A launch takes up to kMaxTargets products of one input one after another
 // (segments: the Q8_0 ones, then the F16 ones, each split over all blocks, so every block streams about the same
 // bytes): the attention's projections of a compressed layer and the FFN's router and shared gate/up stream as one.
-// dsv4-chain-bench measured the design on a layer's dense products ("Session 49" of docs/cuda.md): a chain of them
-// launched this way streams at 2.6 TB/s against 2.2-2.3 for session 48's consumer. sm_90 and up (bulk copies,
+// dsv4-chain-bench measured the design on a layer's dense products ("Session 49" of docs/cuda-journal.md): a chain of
+// them launched this way streams at 2.6 TB/s against 2.2-2.3 for session 48's consumer. sm_90 and up (bulk copies,
 // transaction-counted mbarriers) with a 227 KB carveout; elsewhere matvec_kernel runs.
 namespace ring {
 
