@@ -496,6 +496,33 @@ TEST_F(GgufTest, Alignment64) {
     EXPECT_EQ(parse_bytes(ok.b).tensors()[0].offset, 32u);
 }
 
+// Dims are stored up to the last one above 1, as ggml writes them: ds4's loader refuses a matrix stored as
+// [K, N, 1] (it compares the dim count), and every model writer here passes three dims.
+TEST_F(GgufTest, TrailingUnitDimsAreNotStored) {
+    const std::string file = path("dims.gguf");
+    {
+        GgufWriter w(file);
+        w.add_tensor("norm", GgmlType::F32, {8, 1, 1});
+        w.add_tensor("matrix", GgmlType::F32, {8, 3, 1});
+        w.add_tensor("experts", GgmlType::F32, {8, 3, 2});
+        w.add_tensor("scalar", GgmlType::F32, {1, 1, 1});
+        w.add_tensor("inner_unit", GgmlType::F32, {8, 1, 2, 1});
+        const std::vector<uint8_t> zeros(8 * 3 * 2 * 4);
+        for (size_t n : {8, 24, 48, 1, 16}) w.write_tensor_data(zeros.data(), n * 4);
+        w.finish();
+    }
+    const GgufFile f = GgufFile::open(file);
+    const std::pair<const char *, int> expected[] = {
+        {"norm", 1}, {"matrix", 2}, {"experts", 3}, {"scalar", 1}, {"inner_unit", 3}};
+    for (const auto & [name, n_dims] : expected) {
+        const GgufTensorInfo * t = f.find_tensor(name);
+        ASSERT_TRUE(t) << name;
+        EXPECT_EQ(t->n_dims, n_dims) << name;
+    }
+    EXPECT_EQ(f.find_tensor("experts")->n_elements(), 48);
+    EXPECT_EQ(f.find_tensor("inner_unit")->ne[2], 2);
+}
+
 TEST_F(GgufTest, Version2ReadsLikeVersion3AndVersion1IsRefused) {
     const std::string file = path("v3.gguf");
     {

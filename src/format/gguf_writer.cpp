@@ -210,6 +210,9 @@ void GgufWriter::add_tensor(const std::string & name, GgmlType type, std::vector
     const TypeTraits * traits = type_traits(uint32_t(type));
     if (!traits) fail("{}: tensor '{}': unknown ggml type id {}", m.path, name, uint32_t(type));
     if (ne.empty() || ne.size() > 4) fail("{}: tensor '{}': {} dims, expected 1 to 4", m.path, name, ne.size());
+    // A tensor's dims are stored up to its last one above 1 (ggml's n_dims): a norm is [D], a matrix [K, N], an
+    // expert stack [K, N, E]. Readers that check a tensor's dim count (ds4 does) reject a matrix stored as [K, N, 1].
+    while (ne.size() > 1 && ne.back() == 1) ne.pop_back();
     uint64_t rows = 1;
     for (size_t d = 0; d < ne.size(); ++d) {
         if (ne[d] <= 0) fail("{}: tensor '{}': ne[{}] is {}, expected a positive size", m.path, name, d, ne[d]);
