@@ -43,10 +43,15 @@ bool cuda_tensor_core_product(GgmlType type, int64_t k, int64_t n);
 bool cuda_tensor_core_moe(GgmlType gate, GgmlType down, int64_t dim, int64_t inner, int64_t n_pairs, int64_t n_expert);
 bool cuda_tensor_core_attention(int64_t head_dim, int64_t n, int64_t keys);
 
-// Free and total device memory of a device in bytes (cudaMemGetInfo); {0, 0} when it cannot be queried.
+// Free and total memory of a device in bytes; {0, 0} when it cannot be queried. A discrete GPU's are its own
+// (cudaMemGetInfo). An integrated GPU's memory is the host's (GB10), where cudaMemGetInfo counts the page cache as
+// used (NVIDIA's DGX Spark known issues): right after a model file is read, most of the 128 GB would look taken,
+// and on GB10 the call can fail outright. There free is the host's MemAvailable and total the device's
+// totalGlobalMem.
 struct CudaMemoryInfo {
     uint64_t free_bytes = 0;
     uint64_t total_bytes = 0;
+    bool integrated = false;  // device memory is host memory, shared with the OS and the process's CPU side
 };
 CudaMemoryInfo cuda_memory_info(int device);
 

@@ -375,18 +375,25 @@ MemoryPlan Engine::plan(const EngineOptions & options, int64_t n_ctx, int n_sess
 
     MemoryPlan base;
     base.n_sessions = std::max(n_sessions, 1);
+    // Host memory is shared with the OS and everything else the machine runs: a tenth of it stays free.
+    const uint64_t host_reserve = std::max<uint64_t>(uint64_t(1) << 30, proc_field("/proc/meminfo", "MemTotal") / 10);
     if (on_gpu) {
 #if DSV4_HAVE_CUDA
         const CudaMemoryInfo m = cuda_memory_info(options.gpu);
         DSV4_CHECK(m.total_bytes > 0, "cuda: cannot query the memory of gpu {}", options.gpu);
-        base.device = fmt::format("gpu {}", options.gpu);
         base.available = m.free_bytes;
-        base.reserve = uint64_t(1) << 30;  // the runtime's own allocations and the captured graphs
+        if (m.integrated) {  // GB10: device allocations come out of host memory
+            base.device = fmt::format("gpu {} (integrated: host memory)", options.gpu);
+            base.reserve = host_reserve;
+        } else {
+            base.device = fmt::format("gpu {}", options.gpu);
+            base.reserve = uint64_t(1) << 30;  // the runtime's own allocations and the captured graphs
+        }
 #endif
     } else {
         base.device = "host memory";
         base.available = proc_field("/proc/meminfo", "MemAvailable");
-        base.reserve = std::max<uint64_t>(uint64_t(1) << 30, proc_field("/proc/meminfo", "MemTotal") / 10);
+        base.reserve = host_reserve;
     }
     ModelFootprint f;
     auto fill = [&](MemoryPlan & q, int64_t ctx) {
@@ -495,7 +502,8 @@ std::unique_ptr<Engine> Engine::open(const EngineOptions & options,
 std::string version_string() {
     std::string s = fmt::format("dsv4 {} ({}), backends: {}", build_version(), build_commit(), build_backends());
 #if DSV4_HAVE_CUDA
-    s += "\n" + cuda_device_summary();
+    s += '\n';
+    s += cuda_device_summary();
 #endif
     return s;
 }

@@ -207,7 +207,9 @@ inline std::vector<float> expect_candidates_of_row(Model & m, const KvState & s,
     float lowest = INFINITY;
     for (int64_t j = 0; j < count && j < k; ++j) {
         EXPECT_EQ(values[size_t(j)], row[size_t(ids[size_t(j)])]) << what << " candidate " << j;
-        if (j > 0) EXPECT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+        if (j > 0) {
+            EXPECT_LT(ids[size_t(j - 1)], ids[size_t(j)]) << what;
+        }
         lowest = std::min(lowest, values[size_t(j)]);
     }
     int64_t above = 0;  // logits at or above the lowest candidate: exactly the candidates

@@ -6,6 +6,7 @@
 // The IQ2_XXS grid and signs are format constants defined once in format/quant_tables.cpp.
 #include "format/quant_impl.h"
 #include "util/error.h"
+#include "util/file.h"
 #include "util/log.h"
 #include "util/thread_pool.h"
 #include "util/timer.h"
@@ -1560,6 +1561,17 @@ std::unique_ptr<Backend> make_cuda_backend(const CudaBackendOptions & options) {
 
 CudaMemoryInfo cuda_memory_info(int device) {
     CudaMemoryInfo m;
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        cudaGetLastError();
+        return m;
+    }
+    if (prop.integrated) {
+        m.integrated = true;
+        m.total_bytes = prop.totalGlobalMem;
+        m.free_bytes = std::min<uint64_t>(proc_field("/proc/meminfo", "MemAvailable"), m.total_bytes);
+        return m;
+    }
     int cur = 0;
     if (cudaGetDevice(&cur) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
         cudaGetLastError();
