@@ -10,7 +10,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libxxhash-dev libcpp-httplib-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-dev
   nodejs npm gnuplot-nox curl
 )
 

@@ -76,7 +76,8 @@ TEST_F(EngineTest, ImpossibleContextIsRefusedWithTheLargestThatFits) {
 
 TEST_F(EngineTest, LoadProgressCountsEveryTensorOnce) {
     uint64_t file_bytes = 0;
-    for (const GgufTensorInfo & t : GgufFile::open(path_).tensors()) file_bytes += t.n_bytes;
+    const GgufFile file = GgufFile::open(path_);  // a range-for over a temporary's tensors() would read freed memory
+    for (const GgufTensorInfo & t : file.tensors()) file_bytes += t.n_bytes;
     std::vector<LoadProgress> seen;
     auto engine = Engine::open(options(), [&](const LoadProgress & p) { seen.push_back(p); });
     ASSERT_GT(seen.size(), 10u);  // one call per tensor
