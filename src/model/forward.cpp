@@ -400,15 +400,23 @@ void Model::logit_candidates(const KvState & state, int32_t * ids, float * value
         it = candidates_of_.begin();
     }
     // The first state asked for brings every row's candidates to the host in one read; the others are then copies.
-    const size_t rows = candidates_of_.size(), row = size_t(it - candidates_of_.begin()), k = size_t(w.n_cand);
+    // The host copy is laid out as the device buffer, so the views the step wrote locate each row in it.
+    const Workspace::CandidateRows cand = w.candidate_rows(int64_t(candidates_of_.size()));
+    const size_t row = size_t(it - candidates_of_.begin());
+    auto offset = [&](const Tensor & view) {  // bytes from the buffer's start
+        return size_t(static_cast<const uint8_t *>(view.data) - static_cast<const uint8_t *>(w.candidates.data));
+    };
     if (candidates_host_.empty()) {
-        candidates_host_.resize(rows * (2 * k + 4));
+        candidates_host_.resize((offset(cand.stats) + cand.stats.n_bytes()) / sizeof(float));
         backend_.read(w.candidates, candidates_host_.data(), candidates_host_.size() * sizeof(float));
     }
-    const float * all = candidates_host_.data();
-    std::memcpy(ids, all + row * k, k * sizeof(int32_t));
-    std::memcpy(values, all + rows * k + row * k, k * sizeof(float));
-    std::memcpy(stats, all + 2 * rows * k + row * 4, 4 * sizeof(float));
+    auto copy_row = [&](const Tensor & view, void * out) {
+        const uint8_t * host = reinterpret_cast<const uint8_t *>(candidates_host_.data());
+        std::memcpy(out, host + offset(view) + row * view.row_bytes(), view.row_bytes());
+    };
+    copy_row(cand.ids, ids);
+    copy_row(cand.values, values);
+    copy_row(cand.stats, stats);
 }
 
 void Model::read_last_logits(const KvState & state, float * logits) {
