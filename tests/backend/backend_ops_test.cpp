@@ -413,6 +413,20 @@ TEST(Ops, MatmulRing) {
     check_matmul_many("ring odd segment", {{q8, 8191}, {q8, 3001}, {f16, 3333}}, 1024, 1);
     check_matmul_many("ring few rows", {{f16, 4100}, {q8, 123}}, 2048, 1);
     check_matmul_many("ring few rows", {{f16, 1000}, {q8, 77}}, 8192, 1);
+    // A batched decode step's tokens (3 and 5 to 8) take ring_batch_kernel where every target is Q8_0 and ungrouped:
+    // each K, rows that the 16-row tiles and the blocks do not divide, several products of one input. 2 and 4 tokens
+    // take the tiles.
+    for (int64_t n : {2, 3, 4, 8})
+        for (auto [in, out] : {std::pair<int64_t, int64_t>{1024, 32768}, {2048, 12000}, {4096, 6001}, {8192, 4096}}) {
+            Store s;
+            const Both w = s.weight(GgmlType::Q8_0, in, out);
+            const Both x = s.values(randn(size_t(in * n)), in, n);
+            const Both y = s.out(GgmlType::F32, out, n);
+            gpu().matmul(w.g, x.g, y.g);
+            cpu(true).matmul(w.c, x.c, y.c);
+            compare("matmul q8_0 " + shape(w.c) + " n=" + std::to_string(n) + " vs cpu", y, 1e-4);
+        }
+    check_matmul_many("ring batch", {{q8, 4096}, {q8, 2047}}, 4096, 5);
 }
 
 TEST(Ops, MatmulGroupedOutputProjection) {

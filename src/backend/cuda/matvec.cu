@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <type_traits>
 
 namespace dsv4::cuda {
@@ -56,7 +57,7 @@ size_t act_smem_bytes(Act act, int nt, int64_t k) {
 // Quantized activation rows in global memory, one per (token, group): codes [K] (swizzled chunks), scales
 // [K/32] f32, and for Q8_K the 16-value sums [K/16] i32, contiguous. A tile's blocks copy them to shared memory;
 // a one-token tile reads them in place (L1 keeps them).
-__host__ __device__ inline int64_t act_row_bytes(Act act, int64_t k) {
+__host__ __device__ constexpr int64_t act_row_bytes(Act act, int64_t k) {
     return (k + k / 8 + (act == Act::q8k ? k / 4 : 0) + 15) / 16 * 16;  // rows stay 16-byte aligned
 }
 
@@ -1006,6 +1007,176 @@ __global__ void __launch_bounds__(ring::kThreads, 1) ring_matvec_kernel(const Ri
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// A batch's large Q8_0 products through the ring, on the tensor cores (a batched decode step's tokens, up to 8)
+// ---------------------------------------------------------------------------------------------------------------------
+// The ring kernel above multiplies a slot by one token with dp4a; a batch of b tokens would issue b times its
+// instructions, which at 4 tokens is more than the slot's bytes take to arrive. Here one warp takes a whole slot
+// (`slots` warps compute at once and no partial sums cross warps) and multiplies it by all tokens with
+// mma.sync.m16n8k32 (s8 × s8 → s32): 16 weight rows of the slot as M, the batch's tokens as N (zero columns past the
+// batch), one Q8_0 block of 32 as K. Each result is then one block's exact integer dot product, scaled by the row's
+// f16 and the token's f32 scale as the other kernels do (their sums run over half-blocks, so the values agree up to
+// float rounding). Slot q's fills all go to warp q, which so sees each of the slot's phases in turn (a warp that
+// skipped fills could find a slot two phases on, whose parity reads as done). The k positions a lane feeds are
+// permuted alike in both operands (lane t's logical k 4t..4t+3 and 16+4t..16+4t+3 take the block's bytes 8t..8t+7),
+// so each operand is one 8-byte load. The tokens' activation rows (codes and scales) are copied into shared memory
+// once, after the wait for the kernel that wrote them: from L2 each block's loads would wait ~0.5 µs and a slot's
+// warp would not keep up with its slot. Weight rows land in their slot at a stride of K + 32 bytes (one bulk copy a
+// row) and token rows at their length + 32, so that the four rows of a load phase start in different banks.
+namespace ring {
+
+constexpr int kBatchRowPad = 32;
+constexpr int kMaxBatchTokens = 8;
+__host__ __device__ constexpr int batch_slot_bytes(int k) { return (kSlotBytes / k) * (k + kBatchRowPad); }
+__host__ __device__ constexpr int batch_scales_at(int k, int slots) { return slots * batch_slot_bytes(k); }
+__host__ __device__ constexpr int batch_barriers_at(int k, int slots) {
+    return slots * (batch_slot_bytes(k) + kSlotScaleBytes);
+}
+__host__ __device__ constexpr int batch_acts_at(int k, int slots) {
+    return batch_barriers_at(k, slots) + 2 * kMaxSlots * 8;
+}
+// A token's activation row in shared memory: act_row_bytes(q8a, K) and the pad.
+__host__ __device__ constexpr int batch_act_stride(int k) { return int(act_row_bytes(Act::q8a, k)) + kBatchRowPad; }
+__host__ __device__ constexpr int batch_smem(int k, int slots, int n) {
+    return batch_acts_at(k, slots) + n * batch_act_stride(k);
+}
+
+}  // namespace ring
+
+struct RingBatchArgs {
+    RingSegment seg[kMaxTargets];   // Q8_0 products, one after another
+    int64_t y_stride[kMaxTargets];  // floats between two tokens' rows of seg[i].y (and add)
+    int n_seg;
+    const uint8_t * xq;  // Q8A activation rows, one a token (act_row_bytes(q8a, K) apart)
+    int n;               // tokens, 3..kMaxBatchTokens (ring_batch_applies)
+    int slots;           // 1..ring::kMaxSlots
+};
+
+__device__ __forceinline__ void mma_s8(const uint32_t (&a)[4], const uint32_t (&b)[2], int (&d)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, "
+        "%10, %10};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+}
+
+template <int K>
+__global__ void __launch_bounds__(ring::kThreads, 1) ring_batch_kernel(const RingBatchArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    using namespace ring;
+    constexpr int kPer = kSlotBytes / K, kStride = K + kBatchRowPad, kBlocks = K / 32, kActStride = batch_act_stride(K);
+    constexpr int kActRow = int(act_row_bytes(Act::q8a, K));
+    static_assert(kBlocks % 8 == 0, "scales are read 8 blocks at a time");
+    extern __shared__ __align__(128) uint8_t smem_raw[];
+    const int slots = a.slots;
+    uint8_t * slot_payload = smem_raw;  // [slots][kPer][kStride]
+    const uint16_t * slot_scales =
+        reinterpret_cast<const uint16_t *>(smem_raw + batch_scales_at(K, slots));  // [slots][kPer][kBlocks]
+    uint64_t * full = reinterpret_cast<uint64_t *>(smem_raw + batch_barriers_at(K, slots));
+    uint64_t * empty = full + kMaxSlots;
+    uint8_t * acts = smem_raw + batch_acts_at(K, slots);  // [n][kActStride]: codes (swizzled chunks), then scales
+    const int b = int(blockIdx.x), blocks = int(gridDim.x);
+    auto first_row = [&](int s, int block) { return int(int64_t(a.seg[s].rows) * block / blocks); };
+    if (threadIdx.x == 0) {
+        mbarriers_init(full, slots);
+        mbarriers_init(empty, slots, 1);  // the slot's one warp
+    }
+    __syncthreads();
+    if (threadIdx.x >= kConsumers) {
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        if (threadIdx.x != kConsumers) return;
+        RingPlace at;
+        for (int s = 0; s < a.n_seg; ++s) {
+            const int r1 = first_row(s, b + 1);
+            for (int r = first_row(s, b); r < r1; r += kPer, at.next(slots)) {
+                if (at.reused) mbarrier_wait(&empty[at.slot], at.phase ^ 1u);
+                const int n = min(kPer, r1 - r);
+                mbarrier_expect_bytes(&full[at.slot], uint32_t(n * K + n * (K / 16)));
+                for (int i = 0; i < n; ++i)
+                    bulk_copy(slot_payload + at.slot * batch_slot_bytes(K) + i * kStride,
+                              a.seg[s].payload + size_t(r + i) * K, K, &full[at.slot]);
+                bulk_copy(const_cast<uint16_t *>(slot_scales) + at.slot * (kSlotScaleBytes / 2),
+                          a.seg[s].scales + size_t(r) * kBlocks, uint32_t(n * (K / 16)), &full[at.slot]);
+            }
+        }
+        return;
+    }
+    // The consumers copy the tokens' rows in (16-byte units), then all but `slots` warps leave.
+    pdl_begin();
+    for (int i = int(threadIdx.x); i < a.n * (kActRow / 16); i += kConsumers) {
+        const int tok = i / (kActRow / 16), u = i % (kActRow / 16);
+        *reinterpret_cast<int4 *>(acts + tok * kActStride + 16 * u) =
+            __ldg(reinterpret_cast<const int4 *>(a.xq + int64_t(tok) * kActRow) + u);
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory");
+    const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31, g = lane >> 2, t = lane & 3;
+    if (warp >= slots) return;
+    // B: the lane's token g (zero past the batch); C: tokens 2t and 2t + 1.
+    const uint8_t * xcode = g < a.n ? acts + g * kActStride : nullptr;
+    const float * xs0 = 2 * t < a.n ? reinterpret_cast<const float *>(acts + 2 * t * kActStride + K) : nullptr;
+    const float * xs1 =
+        2 * t + 1 < a.n ? reinterpret_cast<const float *>(acts + (2 * t + 1) * kActStride + K) : nullptr;
+    int fill = 0;  // the block's fills so far, in the producer's order
+    for (int s = 0; s < a.n_seg; ++s) {
+        const RingSegment & seg = a.seg[s];
+        const int r0 = first_row(s, b), r1 = first_row(s, b + 1);
+        for (int r = r0; r < r1; r += kPer, ++fill) {
+            if (fill % slots != warp) continue;
+            const int slot = fill % slots, n_rows = min(kPer, r1 - r);
+            mbarrier_wait(&full[slot], uint32_t(fill / slots) & 1u);
+            const uint8_t * rows = slot_payload + slot * batch_slot_bytes(K);
+            const uint16_t * scales = slot_scales + slot * (kSlotScaleBytes / 2);
+            for (int m0 = 0; m0 < n_rows; m0 += 16) {
+                const int ra = m0 + g, rb = m0 + g + 8;  // the lane's A rows (slot rows)
+                const bool va = ra < n_rows, vb = rb < n_rows;
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int kb0 = 0; kb0 < kBlocks; kb0 += 8) {
+                    uint4 wa = make_uint4(0, 0, 0, 0), wb = make_uint4(0, 0, 0, 0);
+                    if (va) wa = *reinterpret_cast<const uint4 *>(scales + ra * kBlocks + kb0);
+                    if (vb) wb = *reinterpret_cast<const uint4 *>(scales + rb * kBlocks + kb0);
+                    float x0[8] = {}, x1[8] = {};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        if (xs0) x0[j] = xs0[kb0 + j];
+                        if (xs1) x1[j] = xs1[kb0 + j];
+                    }
+                    const uint32_t wsa[4] = {wa.x, wa.y, wa.z, wa.w}, wsb[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const int kb = kb0 + j;
+                        uint2 lo_a = make_uint2(0, 0), lo_b = make_uint2(0, 0), bx = make_uint2(0, 0);
+                        if (va) lo_a = *reinterpret_cast<const uint2 *>(rows + ra * kStride + kb * 32 + 8 * t);
+                        if (vb) lo_b = *reinterpret_cast<const uint2 *>(rows + rb * kStride + kb * 32 + 8 * t);
+                        if (xcode)
+                            bx = *reinterpret_cast<const uint2 *>(xcode + 16 * swz(2 * kb + (t >> 1)) + 8 * (t & 1));
+                        const uint32_t am[4] = {lo_a.x, lo_b.x, lo_a.y, lo_b.y}, bm[2] = {bx.x, bx.y};
+                        int d[4];
+                        mma_s8(am, bm, d);
+                        const float sa = f16_bits_to_f32(uint16_t(wsa[j / 2] >> (16 * (j & 1)))),
+                                    sb = f16_bits_to_f32(uint16_t(wsb[j / 2] >> (16 * (j & 1))));
+                        acc[0] += float(d[0]) * (x0[j] * sa);
+                        acc[1] += float(d[1]) * (x1[j] * sa);
+                        acc[2] += float(d[2]) * (x0[j] * sb);
+                        acc[3] += float(d[3]) * (x1[j] * sb);
+                    }
+                }
+                // C: rows ra (acc 0, 1) and rb (acc 2, 3) of tokens 2t and 2t + 1.
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = i < 2 ? ra : rb, tok = 2 * t + (i & 1);
+                    if ((i < 2 ? va : vb) && tok < a.n) {
+                        const int64_t at_y = tok * a.y_stride[s] + (r + row);
+                        seg.y[at_y] = seg.add ? seg.add[at_y] + acc[i] : acc[i];
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&empty[slot]);
+        }
+    }
+#endif
+}
+
 // A count from the environment variable `name`: `fallback` when it is unset, not a number or outside [1, most].
 int64_t env_count(const char * name, int64_t fallback, int64_t most) {
     const char * e = std::getenv(name);
@@ -1072,6 +1243,22 @@ bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
            ring_smem(a, device_sms(), ring_slots()) <= device_smem_optin();
 }
 
+// Calls f with std::integral_constant<int, K> for the K the ring kernels are instantiated for (ring_applies and
+// ring_batch_applies admit only these).
+template <typename F>
+void with_ring_k(int64_t k, F && f) {
+    switch (k) {
+        case 1024:
+            return f(std::integral_constant<int, 1024>{});
+        case 2048:
+            return f(std::integral_constant<int, 2048>{});
+        case 4096:
+            return f(std::integral_constant<int, 4096>{});
+        default:
+            return f(std::integral_constant<int, 8192>{});
+    }
+}
+
 void ring_matvec(const MatvecArgs & a, cudaStream_t s) {
     const int64_t k = a.t[0].w.ne0;
     RingArgs r{};
@@ -1091,16 +1278,56 @@ void ring_matvec(const MatvecArgs & a, cudaStream_t s) {
     const int blocks = device_sms();
     const size_t smem = ring_smem(a, blocks, r.slots);
     const dim3 grid{unsigned(blocks)}, block{unsigned(ring::kThreads)};
-    switch (k) {
-        case 1024:
-            return launch(ring_matvec_kernel<1024>, grid, block, smem, s, r);
-        case 2048:
-            return launch(ring_matvec_kernel<2048>, grid, block, smem, s, r);
-        case 4096:
-            return launch(ring_matvec_kernel<4096>, grid, block, smem, s, r);
-        default:
-            return launch(ring_matvec_kernel<8192>, grid, block, smem, s, r);
+    with_ring_k(k, [&](auto kc) { launch(ring_matvec_kernel<kc()>, grid, block, smem, s, r); });
+}
+
+// The batch ring's slots for n tokens of K: as many as ring_slots() allows that fit beside the tokens' rows (0: none).
+int ring_batch_slots(int64_t k, int64_t n) {
+    for (int slots = ring_slots(); slots >= 1; --slots)
+        if (size_t(ring::batch_smem(int(k), slots, int(n))) <= device_smem_optin()) return slots;
+    return 0;
+}
+
+// Whether a launch runs on ring_batch_kernel: 3 and 5 to 8 tokens, Q8_0 targets only (F16 rows would need each
+// token's f32 activations beside them) and no groups (o_a's eight groups' activation rows would not fit beside the
+// slots), at least ring_min_bytes together, where the caller allows the ring and DSV4_CUDA_RING_BATCH is not 0.
+// 2 and 4 tokens stay on the tiles, which hold them in one tile of their width: the batched steps of an 8-layer
+// q2 file (H100, docs/perf-data/h100-s61.txt) ran 5 % slower at 2 streams on the ring and 1 % slower at 4, and
+// 5-10 % faster at 3 and 5 to 8.
+bool ring_batch_applies(const MatvecArgs & a) {
+    static const bool enabled = [] {
+        const char * e = std::getenv("DSV4_CUDA_RING_BATCH");
+        return !e || std::strcmp(e, "0") != 0;
+    }();
+    if (!enabled || !a.ring || a.n < 3 || a.n == 4 || a.n > ring::kMaxBatchTokens || a.tiles || a.pair_experts ||
+        a.glu || !a.xq[0] || a.groups != 1)
+        return false;
+    const int64_t k = a.t[0].w.ne0;
+    if (k != 1024 && k != 2048 && k != 4096 && k != 8192) return false;
+    int64_t bytes = 0;
+    for (int i = 0; i < a.n_targets; ++i) {
+        const MatvecTarget & t = a.t[i];
+        if (t.w.ne0 != k || t.rows > INT_MAX || t.w.type != GgmlType::Q8_0) return false;
+        bytes += t.rows * k;
     }
+    return bytes >= ring_min_bytes() && ring_device() && ring_batch_slots(k, a.n) > 0;
+}
+
+void ring_batch_matvec(const MatvecArgs & a, cudaStream_t s) {
+    const int64_t k = a.t[0].w.ne0;
+    RingBatchArgs r{};
+    for (int i = 0; i < a.n_targets; ++i) {
+        const MatvecTarget & t = a.t[i];
+        r.seg[r.n_seg] = {t.w.data, reinterpret_cast<const uint16_t *>(t.w.data + t.w.n_blocks * 32), t.y, t.add,
+                          int(t.rows)};
+        r.y_stride[r.n_seg++] = t.y_stride;
+    }
+    r.xq = a.xq[0];
+    r.n = int(a.n);
+    r.slots = ring_batch_slots(k, a.n);
+    const size_t smem = size_t(ring::batch_smem(int(k), r.slots, r.n));
+    const dim3 grid{unsigned(device_sms())}, block{unsigned(ring::kThreads)};
+    with_ring_k(k, [&](auto kc) { launch(ring_batch_kernel<kc()>, grid, block, smem, s, r); });
 }
 
 // A decode step's IQ2_XXS routed gate/up products and the shared expert's Q8_0 down projection in one launch
@@ -1501,6 +1728,7 @@ int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
 void matvec(const MatvecArgs & args, int64_t max_tiles, int nt, cudaStream_t s) {
     if (max_tiles <= 0 || args.n_targets <= 0) return;
     if (ring_applies(args, max_tiles)) return ring_matvec(args, s);
+    if (ring_batch_applies(args)) return ring_batch_matvec(args, s);
     // One launch when every target has one type, or for the quantized files' Q8_0 + F16 mix (float rows then
     // need 16-byte loads); otherwise one launch per type.
     bool one_type = true, mix = !args.glu, has_q8 = false, has_f16 = false;
