@@ -144,6 +144,14 @@ SamplingParams sampling_fields(const json & body) {
     return s;
 }
 
+// OpenAI's stream_options.include_usage (chat and raw completions): a last chunk with the usage.
+bool include_usage_field(const json & body) {
+    const json * so = field(body, "stream_options");
+    if (!so) return false;
+    if (!so->is_object()) bad("stream_options", "expected an object");
+    return bool_field(*so, "include_usage").value_or(false);
+}
+
 void check_n(const json & body) {
     if (auto n = int_field(body, "n", 1, kMaxTokensLimit); n && *n != 1) bad("n", "only n = 1 is supported");
 }
@@ -727,11 +735,7 @@ Prepared prepare_openai_chat(std::string_view body_text, const ServerInfo & info
     p.sampling = sampling_fields(body);
     p.stop = stop_field(body, "stop");
     p.stream = bool_field(body, "stream").value_or(false);
-    bool include_usage = false;
-    if (const json * so = field(body, "stream_options")) {
-        if (!so->is_object()) bad("stream_options", "expected an object");
-        include_usage = bool_field(*so, "include_usage").value_or(false);
-    }
+    const bool include_usage = include_usage_field(body);
     const bool logprobs = bool_field(body, "logprobs").value_or(false);
     if (auto n = int_field(body, "top_logprobs", 0, SamplingParams::kMaxLogprobs)) {
         if (!logprobs) bad("top_logprobs", "needs logprobs: true");
@@ -772,11 +776,7 @@ Prepared prepare_openai_completion(std::string_view body_text, const ServerInfo 
     p.sampling = sampling_fields(body);
     p.stop = stop_field(body, "stop");
     p.stream = bool_field(body, "stream").value_or(false);
-    bool include_usage = false;
-    if (const json * so = field(body, "stream_options")) {
-        if (!so->is_object()) bad("stream_options", "expected an object");
-        include_usage = bool_field(*so, "include_usage").value_or(false);
-    }
+    const bool include_usage = include_usage_field(body);
     int n_logprobs = -1;
     if (auto n = int_field(body, "logprobs", 0, SamplingParams::kMaxLogprobs)) {
         n_logprobs = int(*n);

@@ -508,6 +508,12 @@ describe("bad input: 4xx with the API's error shape, never a crash", () => {
     openaiError(await chat({ messages: user, temperature: -1 }), 400, "temperature");
     openaiError(await chat({ messages: user, top_p: 7 }), 400, "top_p");
     openaiError(await chat({ messages: user, logprobs: true, top_logprobs: 50 }), 400, "top_logprobs");
+    openaiError(await chat({ messages: user, stream: true, stream_options: true }), 400, "stream_options");
+    openaiError(
+      await postJson(server, "/v1/completions", { prompt: "x", stream: true, stream_options: [1] }),
+      400,
+      "stream_options",
+    );
     anthropicError(await messages({ max_tokens: 1e15, messages: user }), 400);
     // A max_tokens larger than the context is fine: the reply stops when the context is full.
     const ok = await chat({ messages: user, max_tokens: 1000000, stop: ["a", "e", "i", "o", "u"] });
