@@ -82,14 +82,9 @@ constexpr int64_t kBranchMaxTokens = 8;
 // A batched step's lanes (Backend::begin_lanes) run on this many streams, each with its own scratch arena; more lanes
 // share them in turn.
 constexpr int kMaxLanes = 16;
-// A switch of the environment: "0" is off, anything else on, unset the default.
-bool env_switch(const char * name, bool default_on) {
-    const char * e = std::getenv(name);
-    return e ? std::strcmp(e, "0") != 0 : default_on;
-}
 // The routed experts on cuBLAS are asked for (DSV4_CUDA_MOE_CUBLAS=1) and cuBLAS is not turned off.
 bool moe_cublas_requested() {
-    return env_switch("DSV4_CUDA_CUBLAS", true) && env_switch("DSV4_CUDA_MOE_CUBLAS", false);
+    return cuda::env_switch("DSV4_CUDA_CUBLAS", true) && cuda::env_switch("DSV4_CUDA_MOE_CUBLAS", false);
 }
 // Arena offsets stay 256-byte aligned (cuBLAS's and the vector loads' alignment).
 size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -145,15 +140,15 @@ class CudaBackend final : public Backend {
         check(cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest), "cudaStreamCreate(branch)");
         check(cudaEventCreateWithFlags(&branch_fork_, cudaEventDisableTiming), "cudaEventCreate(branch)");
         check(cudaEventCreateWithFlags(&branch_done_, cudaEventDisableTiming), "cudaEventCreate(branch)");
-        branches_enabled_ = env_switch("DSV4_CUDA_BRANCH", true);
+        branches_enabled_ = cuda::env_switch("DSV4_CUDA_BRANCH", true);
         // Lanes are latency-bound chains like the branch: the same precedence.
         for (int i = 0; i < kMaxLanes; ++i) {
             check(cudaStreamCreateWithPriority(&lanes_[i], cudaStreamNonBlocking, greatest), "cudaStreamCreate(lane)");
             check(cudaEventCreateWithFlags(&lane_done_[i], cudaEventDisableTiming), "cudaEventCreate(lane)");
         }
         check(cudaEventCreateWithFlags(&lane_fork_, cudaEventDisableTiming), "cudaEventCreate(lane)");
-        lanes_enabled_ = env_switch("DSV4_CUDA_LANES", true);
-        ring_enabled_ = env_switch("DSV4_CUDA_RING", true);
+        lanes_enabled_ = cuda::env_switch("DSV4_CUDA_LANES", true);
+        ring_enabled_ = cuda::env_switch("DSV4_CUDA_RING", true);
         for (int i = 0; i < 2; ++i) {
             check(cudaEventCreateWithFlags(&moe_decoded_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
             check(cudaEventCreateWithFlags(&moe_read_[i], cudaEventDisableTiming), "cudaEventCreate(moe)");
@@ -168,9 +163,9 @@ class CudaBackend final : public Backend {
         upload_threads_ = std::clamp(int(std::thread::hardware_concurrency()), 1, 8);
         if (const char * env = std::getenv("DSV4_CUDA_UPLOAD_THREADS"))
             upload_threads_ = std::clamp(std::atoi(env), 1, 64);
-        graphs_enabled_ = env_switch("DSV4_CUDA_GRAPHS", graphs_enabled_);
-        profile_ = env_switch("DSV4_CUDA_PROFILE", false);
-        cublas_enabled_ = env_switch("DSV4_CUDA_CUBLAS", true);
+        graphs_enabled_ = cuda::env_switch("DSV4_CUDA_GRAPHS", graphs_enabled_);
+        profile_ = cuda::env_switch("DSV4_CUDA_PROFILE", false);
+        cublas_enabled_ = cuda::env_switch("DSV4_CUDA_CUBLAS", true);
         moe_cublas_enabled_ = moe_cublas_requested();
         if (const char * env = std::getenv("DSV4_CUDA_CUBLAS_MIN_TOKENS"))
             cublas_min_tokens_ = std::max<int64_t>(1, std::atoll(env));

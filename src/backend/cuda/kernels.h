@@ -13,6 +13,9 @@
 
 namespace dsv4::cuda {
 
+// A switch of the environment (the DSV4_CUDA_* variables): "0" is off, anything else on, unset the default.
+bool env_switch(const char * name, bool default_on);
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Weights in device memory
 // ---------------------------------------------------------------------------------------------------------------------

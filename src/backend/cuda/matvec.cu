@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <type_traits>
 
 namespace dsv4::cuda {
@@ -1214,6 +1213,9 @@ bool ring_device() {
            size_t(ring::part_at(ring_slots())) <= device_smem_optin();
 }
 
+// The K the ring kernels are instantiated for (with_ring_k).
+bool ring_k(int64_t k) { return k == 1024 || k == 2048 || k == 4096 || k == 8192; }
+
 // Whether a launch runs on ring_matvec_kernel: one token, Q8_0 and F16 targets of at least ring_min_bytes together,
 // K of 1024 to 8192, Q8_0's activations quantized and F16's in f32 (no fused swiglu) and 16-byte aligned; one Q8_0
 // target when grouped (not at K = 1024: a warp's two rows must share a group); on sm_90 or later with the carveout,
@@ -1221,8 +1223,7 @@ bool ring_device() {
 bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
     if (!a.ring || max_tiles != 1 || a.n != 1 || a.tiles || a.pair_experts || a.glu) return false;
     const int64_t k = a.t[0].w.ne0;
-    if ((k != 1024 && k != 2048 && k != 4096 && k != 8192) || (a.groups != 1 && (a.n_targets != 1 || k == 1024)))
-        return false;
+    if (!ring_k(k) || (a.groups != 1 && (a.n_targets != 1 || k == 1024))) return false;
     auto aligned = [](const void * p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     int64_t bytes = 0;
     for (int i = 0; i < a.n_targets; ++i) {
@@ -1243,8 +1244,7 @@ bool ring_applies(const MatvecArgs & a, int64_t max_tiles) {
            ring_smem(a, device_sms(), ring_slots()) <= device_smem_optin();
 }
 
-// Calls f with std::integral_constant<int, K> for the K the ring kernels are instantiated for (ring_applies and
-// ring_batch_applies admit only these).
+// Calls f with std::integral_constant<int, K> for a K that ring_k admits.
 template <typename F>
 void with_ring_k(int64_t k, F && f) {
     switch (k) {
@@ -1295,15 +1295,12 @@ int ring_batch_slots(int64_t k, int64_t n) {
 // q2 file (H100, docs/perf-data/h100-s61.txt) ran 5 % slower at 2 streams on the ring and 1 % slower at 4, and
 // 5-10 % faster at 3 and 5 to 8.
 bool ring_batch_applies(const MatvecArgs & a) {
-    static const bool enabled = [] {
-        const char * e = std::getenv("DSV4_CUDA_RING_BATCH");
-        return !e || std::strcmp(e, "0") != 0;
-    }();
+    static const bool enabled = env_switch("DSV4_CUDA_RING_BATCH", true);
     if (!enabled || !a.ring || a.n < 3 || a.n == 4 || a.n > ring::kMaxBatchTokens || a.tiles || a.pair_experts ||
         a.glu || !a.xq[0] || a.groups != 1)
         return false;
     const int64_t k = a.t[0].w.ne0;
-    if (k != 1024 && k != 2048 && k != 4096 && k != 8192) return false;
+    if (!ring_k(k)) return false;
     int64_t bytes = 0;
     for (int i = 0; i < a.n_targets; ++i) {
         const MatvecTarget & t = a.t[i];

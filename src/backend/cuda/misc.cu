@@ -21,11 +21,13 @@
 
 namespace dsv4::cuda {
 
+bool env_switch(const char * name, bool default_on) {
+    const char * e = std::getenv(name);
+    return e ? std::strcmp(e, "0") != 0 : default_on;
+}
+
 bool pdl_enabled() {
-    static const bool on = [] {
-        const char * e = std::getenv("DSV4_CUDA_PDL");
-        return !e || std::strcmp(e, "0") != 0;
-    }();
+    static const bool on = env_switch("DSV4_CUDA_PDL", true);
     return on;
 }
 
