@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Per-kernel costs of the decode steps in a libdsv4_ktrace.so timeline (docs/cuda.md).
 
-Usage: ktrace_summary.py TIMELINE [--steps N] [--list] [--pm PMFILE]
+Usage: ktrace_summary.py TIMELINE [--steps N] [--largest] [--list] [--pm PMFILE]
        ktrace_summary.py TIMELINE --totals [--top N]
 
 A step is one execution of the decode graph: the kernels of one graph id until a graph node repeats. The steps of
-the most common size are used (the last N of them). Each kernel's cost is how much later it ends than the kernel
+the most common size are used (the last N of them; --largest: those of the most kernels). Each kernel's cost is how much later it ends than the kernel
 that ended before it: in a chain of dependent kernels with programmatic dependent launch, blocks start early and
 wait, so durations overlap and only the ends add up to the step. Between two steps, what the GPU ran outside the
 graph (the sampler's kernels, the token's copies) is listed with its mean time; the rest of the gap the GPU waited
@@ -113,6 +113,8 @@ def main():
     ap.add_argument('timeline')
     ap.add_argument('--steps', type=int, default=8, help='steps averaged (the last ones; default 8)')
     ap.add_argument('--list', action='store_true', help='the last step kernel by kernel')
+    ap.add_argument('--largest', action='store_true',
+                    help='the steps of the most kernels instead of the most common size (a batch among 1-token steps)')
     ap.add_argument('--totals', action='store_true', help='every kernel and copy summed by kind (prefill runs)')
     ap.add_argument('--top', type=int, default=20, help='kinds printed with --totals (default 20)')
     ap.add_argument('--pm', help="the library's PM samples (DSV4_PMSAMPLE)")
@@ -126,7 +128,8 @@ def main():
     steps = steps_of(records)
     if not steps:
         raise SystemExit(f'{args.timeline}: no graph kernels (was the program run with LD_PRELOAD?)')
-    size = collections.Counter(len(s) for s in steps).most_common(1)[0][0]
+    sizes = collections.Counter(len(s) for s in steps)
+    size = max(sizes) if args.largest else sizes.most_common(1)[0][0]
     use = [s for s in steps if len(s) == size][-args.steps:]
     spans = [(max(k[1] for k in s) - s[0][0]) / 1e3 for s in use]
     print(f'{len(steps)} graph executions; {len(use)} steps of {size} kernels; GPU span per step '
