@@ -286,7 +286,7 @@ TEST_P(Matmul, MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Types, Matmul,
                          ::testing::Values(
-                             // every type, small and odd token counts (tiles of 8 with a remainder)
+                             // every type, small and odd token counts (tiles of 4 with a remainder)
                              MatCase{GgmlType::F32, 256, 96, 1}, MatCase{GgmlType::F32, 100, 37, 11},
                              MatCase{GgmlType::F32, 37, 5, 3}, MatCase{GgmlType::F16, 256, 96, 3},
                              MatCase{GgmlType::F16, 24, 10, 9}, MatCase{GgmlType::BF16, 512, 64, 17},

@@ -66,8 +66,10 @@ void repack_blocks(GgmlType type, const uint8_t * src, uint8_t * dst, int64_t fi
 // weights multiply 8-bit activations (exactly the CPU backend's quantize_activations rules: BlockQ8A for
 // Q8_0/MXFP4, Q8_K for the K and IQ2 types) with integer dot products; float weights multiply f32 activations.
 // One launch serves up to kMaxTargets products of the same input (matmul_many): the grid's x blocks are split
-// between the targets, each block working on one target's rows.
-constexpr int kMaxTileTokens = 8;
+// between the targets, each block working on one target's rows. Tiles of 8 tokens read the weights half as often
+// as two of 4 but took longer (more registers a thread, fewer blocks resident): session 62's batched decode steps on
+// an H100 were 5-9 % faster at 8 to 16 tokens with tiles of 4 (docs/cuda.md, "Batched decode").
+constexpr int kMaxTileTokens = 4;
 constexpr int kMaxTargets = 8;
 
 struct MatvecTarget {

@@ -3,7 +3,7 @@
 //
 // One kernel shape serves decode and prefill. Quantized weights multiply 8-bit activations (Q8A or Q8_K,
 // bit-identical to format/quant's rules, so the integer dot products equal the CPU backend's
-// quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 8 tokens and
+// quantize_activations mode up to float summation order). A block of 8 warps takes a tile of up to 4 tokens and
 // each warp streams two weight rows at a time: every lane loads 16 payload bytes per row per step (the upload
 // layout keeps payloads 16-byte aligned), so the rows' bytes are read once per token tile. The activation rows
 // are quantized once per product by a small kernel; a one-token tile (decode) reads its row in place (L1 keeps
@@ -1559,10 +1559,8 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
             return launch_nt<1>(a, type, vec, mixed, grid, smem, s);
         case 2:
             return launch_nt<2>(a, type, vec, mixed, grid, smem, s);
-        case 4:
-            return launch_nt<4>(a, type, vec, mixed, grid, smem, s);
         default:
-            return launch_nt<8>(a, type, vec, mixed, grid, smem, s);
+            return launch_nt<4>(a, type, vec, mixed, grid, smem, s);
     }
 }
 
@@ -1716,7 +1714,7 @@ void matvec_quantize(const QuantizeJob * jobs, int n_jobs, cudaStream_t s) {
 }
 
 int matvec_tile_tokens(GgmlType w, int64_t k, int64_t n) {
-    int nt = n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+    int nt = n >= 4 ? 4 : n >= 2 ? 2 : 1;
     if (!is_float(w))
         while (nt > 1 && quant_smem(w, nt, k) > std::min(kMaxActSmem, device_smem_optin() - 4096)) nt /= 2;
     return nt;
