@@ -5,9 +5,10 @@ Usage: ktrace_summary.py TIMELINE [--steps N] [--largest] [--list] [--pm PMFILE]
        ktrace_summary.py TIMELINE --totals [--top N]
 
 A step is one execution of the decode graph: the kernels of one graph id until a graph node repeats. The steps of
-the most common size are used (the last N of them; --largest: those of the most kernels). Each kernel's cost is how much later it ends than the kernel
-that ended before it: in a chain of dependent kernels with programmatic dependent launch, blocks start early and
-wait, so durations overlap and only the ends add up to the step. Between two steps, what the GPU ran outside the
+the most common size are used (the last N of them; --largest: those of the most kernels, a batch's among 1-token
+steps). Each kernel's cost is how much later it ends than the kernel that ended before it: in a chain of dependent
+kernels with programmatic dependent launch, blocks start early and wait, so durations overlap and only the ends add
+up to the step. Between two steps, what the GPU ran outside the
 graph (the sampler's kernels, the token's copies) is listed with its mean time; the rest of the gap the GPU waited
 for the host. --list prints the last step kernel by kernel. --totals sums every kernel and copy of the timeline by
 kind instead, for runs that are not decode steps (a long prefill: its chunks run eagerly, one kernel after another,

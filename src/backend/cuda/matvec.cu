@@ -1554,6 +1554,7 @@ void launch_set(MatvecArgs a, int64_t max_tiles, int nt, bool mixed, cudaStream_
     }
     const GgmlType type = a.t[0].w.type;
     const dim3 grid(unsigned(first), unsigned(max_tiles), unsigned(a.groups));
+    static_assert(kMaxTileTokens == 4, "tiles of 1, 2 and 4 tokens are instantiated below");
     switch (nt) {
         case 1:
             return launch_nt<1>(a, type, vec, mixed, grid, smem, s);
