@@ -100,7 +100,9 @@ int main(int argc, char ** argv) {
     app.add_option("--backend", eo.backend, "cpu, cuda or auto");
     app.add_option("--gpu", eo.gpu, "CUDA device");
     app.add_option("-t,--threads", eo.n_threads, "CPU threads");
-    app.add_option("--ubatch", eo.n_ubatch, "prefill chunk (default: 2048 on a GPU, 256 on the CPU)");
+    app.add_option("--ubatch", eo.n_ubatch,
+                   "prefill chunk (default: dsv4's and dsv4-server's choice for the largest context measured: on a "
+                   "GPU 16384 or 8192 where it fits, else 2048; 256 on the CPU)");
     app.add_option("--numerics", eo.numerics, "official or reference");
     app.add_option("--ctx-max", ctx_max, "last context frontier (default 8192)");
     app.add_option("--first", first_frontier, "first frontier; later ones double (default 2048)");
@@ -116,6 +118,10 @@ int main(int argc, char ** argv) {
     try {
         const GgufFile file = GgufFile::open(eo.model_path);
         const double token_bytes = decode_bytes_per_token(file);
+        // Unless told, prefill in the chunks that dsv4 and dsv4-server take for this context (their memory plan picks
+        // the larger GPU chunks where the context still fits), so that the figures are what those tools give.
+        if (eo.n_ubatch == 0)
+            eo.n_ubatch = Engine::plan(eo, std::max(ctx_max + gen_tokens + 1, ttft_prompt + 8)).n_ubatch;
         auto engine = Engine::open(eo);
         const ModelInfo & info = engine->info();
         const Tokenizer * tok = engine->tokenizer();
@@ -154,8 +160,8 @@ int main(int argc, char ** argv) {
                          roofline > 0 ? fmt::format("  {:.1f} % of roofline", 100 * roofline).c_str() : "");
         };
         if (peak_gbps < 0) peak_gbps = info.backend.rfind("cuda", 0) == 0 ? 4300 : 0;
-        std::fprintf(stderr, "%s: %s, %.2f GB read per decoded token\n", info.path.c_str(), info.backend.c_str(),
-                     token_bytes / 1e9);
+        std::fprintf(stderr, "%s: %s, %.2f GB read per decoded token, prefill chunks of %ld tokens\n",
+                     info.path.c_str(), info.backend.c_str(), token_bytes / 1e9, long(eo.n_ubatch));
 
         // The process's first prefill and decode pay one-time costs (GPU kernels load at their first launch,
         // scratch grows to the chunk's size); an untimed pass over the first frontier takes them, as llama-bench's

@@ -22,4 +22,9 @@ awk -F, '$3 == "peak_device_mb" && $7 != 0 {bad = 1} END {exit bad}' "$work/out.
 awk -F, '$3 == "peak_host_mb" && !($7 > 0) {bad = 1} END {exit bad}' "$work/out.csv" || fail "no host memory figure"
 grep -q "peak device memory: 0 MB" "$work/err.txt" || fail "stderr lacks the memory line"
 grep -q "2 streams: .* tok/s per stream" "$work/err.txt" || fail "stderr lacks the per-stream rate"
+grep -q "prefill chunks of 64 tokens" "$work/err.txt" || fail "stderr lacks the chunk given by --ubatch"
+# Without --ubatch the chunk is the memory plan's, as dsv4 and dsv4-server pick it (256 on the CPU).
+"$bin/dsv4-bench" -m "$work/mini.gguf" --backend cpu -t 2 --first 64 --ctx-max 64 --gen-tokens 1 --ttft-prompt 32 \
+  --no-streams > /dev/null 2> "$work/err2.txt" || { cat "$work/err2.txt" >&2; fail "the run without --ubatch failed"; }
+grep -q "prefill chunks of 256 tokens" "$work/err2.txt" || { cat "$work/err2.txt" >&2; fail "not the plan's chunk"; }
 echo "bench_test: ok ($(($(wc -l < "$work/out.csv") - 1)) rows)"
