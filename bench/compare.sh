@@ -12,7 +12,8 @@
 # first frontier is a 256-token warm-up (dsv4-bench takes an untimed pass for the same reason) and the second is
 # measured: P tokens prefilled after the 256, then G decoded at 256 + P. dsv4-bench prefills 256 + P tokens and
 # decodes G at 256 + P. Each picks its own prefill chunk unless --ubatch is given (dsv4 only: ds4 has no such
-# option); dsv4-bench's own is the one dsv4 and dsv4-server take for the context. ds4 loads only V4 Flash's exact shapes, all 43 layers (`dsv4-synth --layers 43`, 81 GB).
+# option); dsv4-bench's own is the one dsv4 and dsv4-server take for the context. ds4 loads only V4 Flash's exact
+# shapes, all 43 layers (`dsv4-synth --layers 43`, 81 GB).
 # Nothing of either peer is part of this repository: bring your own build. Both load only files with a
 # tokenizer: make synthetic ones with `dsv4-synth --vocab build/share/dsv4/deepseek-v4-vocab.gguf`.
 set -euo pipefail
