@@ -29,7 +29,7 @@ while (($#)); do
     --gen) gen=$2; shift 2 ;;
     --ubatch) ubatch=$2; shift 2 ;;
     --backend) backend=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) model=$1; shift ;;
   esac
 done
